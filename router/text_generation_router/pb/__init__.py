@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for generate.v3 (see proto/)."""
