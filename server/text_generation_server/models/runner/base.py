@@ -1,0 +1,47 @@
+"""The runner interface: one forward pass of a decoder-only model over a left-padded batch.
+
+Every runner (the fast Llama/Gemma runner, the transformers fallback) takes the same inputs
+and updates the same `KVCache`, so that the batch code never knows which one runs.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .kv_cache import KVCache
+
+
+class Runner(Protocol):
+    """A model forward over a left-padded batch with a dense KV cache."""
+
+    name: str  # reported in Info and logs, e.g. "fast-llama" or "transformers"
+    num_layers: int
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def new_cache(self, num_rows: int) -> KVCache:
+        """An empty cache for num_rows rows."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [rows, new] int64
+        position_ids: torch.Tensor,  # [rows, new] int64
+        attention_mask: torch.Tensor,  # [rows, cache.length + new]; 1 = real token, 0 = padding
+        cache: KVCache,
+        last_only: bool = True,
+        skip_layers: frozenset[int] = frozenset(),
+    ) -> torch.Tensor:
+        """Run the new tokens, append their keys/values to `cache` and advance it.
+
+        Args:
+            last_only: return logits of the last position only (`[rows, 1, vocab]`), else of
+                every new position (`[rows, new, vocab]`).
+            skip_layers: decoder layer indices to bypass (their cache entries stay None).
+        Returns:
+            float32 logits.
+        """
+        ...

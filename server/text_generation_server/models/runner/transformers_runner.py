@@ -1,0 +1,63 @@
+"""Fallback runner: transformers' own modules for any causal LM architecture.
+
+The batch keeps its KV cache in our `KVCache` layout; for each forward this runner hands
+transformers a `DynamicCache` built from views of it and copies the new columns back.
+That costs one copy of the cache per step, which is why architectures with a fast runner
+use that one instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .kv_cache import KVCache
+
+
+class TransformersRunner:
+    """Runs `model(...)` of a transformers causal LM (see module docstring)."""
+
+    name = "transformers"
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.config = model.config
+        text_config = model.config.get_text_config()
+        self.num_layers = int(text_config.num_hidden_layers)
+        self.vocab_size = int(text_config.vocab_size)
+        self.dtype = model.dtype
+        self.device = model.device
+
+    def new_cache(self, num_rows: int) -> KVCache:
+        return KVCache(num_rows=num_rows, num_layers=self.num_layers)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: KVCache,
+        last_only: bool = True,
+        skip_layers: frozenset[int] = frozenset(),
+    ) -> torch.Tensor:
+        if skip_layers:
+            raise ValueError(
+                f"the transformers fallback runner cannot skip layers {sorted(skip_layers)}; "
+                f"use the fast runner (--runner fast) for layer skipping"
+            )
+        past = [cache.layer(i) for i in range(self.num_layers)] if cache.length else []
+        dynamic = DynamicCache(ddp_cache_data=past, config=self.config) if past else DynamicCache(config=self.config)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=dynamic,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+        )
+        start = cache.length
+        for i, layer in enumerate(out.past_key_values.layers):
+            cache.append(i, layer.keys[:, :, start:], layer.values[:, :, start:])
+        cache.advance(input_ids.shape[1])
+        return out.logits.float()
