@@ -1,0 +1,141 @@
+"""`text-generation-server`: the shard's command line, with upstream TGI's commands and options.
+
+Upstream's launcher calls `download-weights MODEL --extension .safetensors --logger-level L
+--json-output` and then `serve MODEL --uds-path P --logger-level L --json-output ...`; both
+keep upstream's option names so the upstream launcher can drive this shard unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from enum import Enum
+from typing import Optional
+
+import typer
+from loguru import logger
+
+app = typer.Typer(add_completion=False, help="A TGI v3 shard with input-adaptive layer skipping.")
+
+
+class Quantization(str, Enum):
+    bitsandbytes = "bitsandbytes"
+    bitsandbytes_nf4 = "bitsandbytes-nf4"
+    bitsandbytes_fp4 = "bitsandbytes-fp4"
+    gptq = "gptq"
+    awq = "awq"
+    compressed_tensors = "compressed-tensors"
+    eetq = "eetq"
+    exl2 = "exl2"
+    fp8 = "fp8"
+    marlin = "marlin"
+
+
+class Dtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class KVCacheDtype(str, Enum):
+    fp8_e4m3fn = "fp8_e4m3fn"
+    fp8_e5m2 = "fp8_e5m2"
+
+
+def setup_logging(level: str, json_output: bool) -> None:
+    """Loguru to stdout; with --json-output one serialized record per line, the shape upstream's
+    launcher parses (`{"text": ..., "record": {"level": {"name": ...}}}`)."""
+    logger.remove()
+    logger.add(sys.stdout, level=level.upper(), serialize=json_output, backtrace=False, diagnose=False)
+
+
+@app.command("download-weights")
+def download_weights_command(
+    model_id: str,
+    revision: Optional[str] = None,  # noqa: UP045 - typer needs Optional on Python 3.10
+    extension: str = ".safetensors",
+    auto_convert: bool = True,
+    logger_level: str = "INFO",
+    json_output: bool = False,
+    trust_remote_code: bool = False,
+    merge_lora: bool = False,
+) -> None:
+    """Make MODEL_ID's weights available locally (a local folder passes through)."""
+    from .download import download_weights
+
+    setup_logging(logger_level, json_output)
+    if extension != ".safetensors":
+        logger.error(f"--extension {extension}: only .safetensors checkpoints are served")
+        raise typer.Exit(1)
+    try:
+        path = download_weights(model_id, revision)
+    except ValueError as err:
+        logger.error(str(err))
+        raise typer.Exit(1) from err
+    logger.info(f"Weights of {model_id} are at {path}")
+    # The last stdout line, for tools that need the local folder (our launcher reads it).
+    print(json.dumps({"local_path": str(path)}), flush=True)
+
+
+@app.command()
+def serve(
+    model_id: str,
+    revision: Optional[str] = None,  # noqa: UP045
+    sharded: bool = False,
+    quantize: Optional[Quantization] = None,  # noqa: UP045
+    speculate: Optional[int] = None,  # noqa: UP045
+    dtype: Optional[Dtype] = None,  # noqa: UP045
+    kv_cache_dtype: Optional[KVCacheDtype] = None,  # noqa: UP045
+    trust_remote_code: bool = False,
+    uds_path: str = "/tmp/text-generation-server",
+    logger_level: str = "INFO",
+    json_output: bool = False,
+    otlp_endpoint: Optional[str] = None,  # noqa: UP045
+    otlp_service_name: str = "text-generation-inference.server",
+    max_input_tokens: Optional[int] = None,  # noqa: UP045
+    runner: str = typer.Option("auto", help="auto | fast | transformers (force the fallback)"),
+) -> None:
+    """Serve MODEL_ID over gRPC on the unix socket {uds_path}-{rank}."""
+    setup_logging(logger_level, json_output)
+    try:
+        model, config = _build(model_id, revision, sharded, quantize, speculate, dtype, kv_cache_dtype,
+                               trust_remote_code, uds_path, max_input_tokens, runner)
+    except ValueError as err:
+        logger.error(str(err))
+        raise typer.Exit(1) from err
+    if otlp_endpoint:
+        logger.warning(f"--otlp-endpoint {otlp_endpoint}: tracing export is not implemented; no spans are sent")
+    from .server import serve_model
+
+    asyncio.run(serve_model(model, config))
+
+
+def _build(model_id: str, revision: str | None, sharded: bool, quantize: Quantization | None,
+           speculate: int | None, dtype: Dtype | None, kv_cache_dtype: KVCacheDtype | None,
+           trust_remote_code: bool, uds_path: str, max_input_tokens: int | None, runner: str):  # type: ignore[no-untyped-def]
+    import torch
+
+    from .models import get_model
+    from .models.loading import LoadConfig
+    from .server import ServeConfig
+
+    if sharded:
+        raise ValueError("--sharded: this CPU backend runs one shard; drop --sharded / --num-shard")
+    if speculate:
+        raise ValueError(f"--speculate {speculate}: n-gram/Medusa speculation is not supported; "
+                         f"use --layer-skip-mode verified for lossless self-speculation")
+    if kv_cache_dtype is not None:
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype.value} is not supported on this backend")
+    load = LoadConfig(quantize=quantize.value if quantize else None,
+                      dtype=dtype.value if dtype else "float32", trust_remote_code=trust_remote_code)
+    model = get_model(model_id, revision, load, runner)
+    limit = max_input_tokens or model.max_position_embeddings - 1
+    torch.set_grad_enabled(False)
+    config = ServeConfig(uds_path=uds_path, max_input_tokens=limit, dtype=str(load.torch_dtype),
+                         quantize=load.quantize or "")
+    return model, config
+
+
+if __name__ == "__main__":
+    app()

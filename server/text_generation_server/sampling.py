@@ -1,0 +1,137 @@
+"""Token choice: logits processors, warpers and the seeded sampler, one request at a time.
+
+Order (as upstream TGI): repetition penalty -> frequency penalty -> warpers (temperature,
+top_k, top_p, typical_p) -> log-softmax. Sampling happens when `do_sample` is set or any
+warper is active, otherwise the choice is the greedy argmax. Sampling draws
+`argmax(p / Exp(1))` from a generator seeded with the request's seed, so a seeded request is
+reproducible whatever else shares its batch. The reported logprob comes from the warped
+distribution; top-n alternatives come from the unwarped log-softmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """A request's token-choice parameters (the shard's view of NextTokenChooserParameters)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    do_sample: bool = False
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be strictly positive, got {self.temperature}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be strictly positive, got {self.repetition_penalty}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 < self.typical_p <= 1:
+            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def has_warpers(self) -> bool:
+        return self.temperature != 1.0 or self.top_k != 0 or self.top_p < 1.0 or self.typical_p < 1.0
+
+    @property
+    def sampling(self) -> bool:
+        return self.do_sample or self.has_warpers
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with no penalty: the batched fast path applies."""
+        return not self.sampling and self.repetition_penalty == 1.0 and self.frequency_penalty == 0.0
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, token_ids: torch.Tensor) -> torch.Tensor:
+    """Repetition and frequency penalties over all tokens seen so far (prompt included)."""
+    if params.repetition_penalty != 1.0:
+        seen = torch.unique(token_ids)
+        score = logits[seen]
+        logits[seen] = torch.where(score < 0, score * params.repetition_penalty, score / params.repetition_penalty)
+    if params.frequency_penalty != 0.0:
+        counts = torch.bincount(token_ids, minlength=logits.shape[-1]).to(logits.dtype)
+        logits -= params.frequency_penalty * counts
+    return logits
+
+
+def apply_warpers(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p (nucleus) and typical-p filtering of one row of logits."""
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+    if params.top_k > 0:
+        k = min(params.top_k, logits.shape[-1])
+        threshold = torch.topk(logits, k).values[-1]
+        logits = logits.masked_fill(logits < threshold, -math.inf)
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cumulative <= (1 - params.top_p)
+        remove[-1] = False  # keep at least the most likely token
+        logits = logits.masked_fill(remove.scatter(0, order, remove), -math.inf)
+    if params.typical_p < 1.0:
+        logp = logits.log_softmax(-1)
+        entropy = -(logp.exp() * logp).nansum()
+        shifted = (-logp - entropy).abs()
+        sorted_shift, order = torch.sort(shifted)
+        cumulative = logits[order].softmax(-1).cumsum(-1)
+        last = int((cumulative < params.typical_p).sum())
+        remove_sorted = sorted_shift > sorted_shift[min(last, sorted_shift.shape[-1] - 1)]
+        logits = logits.masked_fill(remove_sorted.scatter(0, order, remove_sorted), -math.inf)
+    return logits
+
+
+class NextTokenChooser:
+    """Chooses one request's next token from its logits (see module docstring)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if params.sampling:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[int, float]:
+        """Choose from one row of float32 logits `[vocab]`.
+
+        Args:
+            token_ids: all tokens of the request so far (prompt and generated), int64.
+        Returns:
+            (token id, logprob of that token under the warped distribution).
+        """
+        logits = apply_penalties(logits.clone(), self.params, token_ids)
+        if self.params.has_warpers:
+            logits = apply_warpers(logits, self.params)
+        logprobs = logits.log_softmax(-1)
+        if self.generator is not None:
+            noise = torch.empty_like(logprobs).exponential_(1.0, generator=self.generator)
+            token = int(torch.argmax(logprobs.exp() / noise))
+        else:
+            token = int(torch.argmax(logprobs))
+        return token, float(logprobs[token])
+
+
+def top_n_tokens(logprobs: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
+    """The n most likely tokens of one row of log-probabilities, best first.
+
+    Ties at the n-th value are all included, so the list may be longer than n.
+    """
+    if n <= 0:
+        return [], []
+    values = torch.topk(logprobs, min(n, logprobs.shape[-1])).values
+    threshold = values[-1]
+    ids = torch.nonzero(logprobs >= threshold).flatten()
+    ordered = ids[torch.argsort(logprobs[ids], descending=True, stable=True)]
+    return ordered.tolist(), logprobs[ordered].tolist()

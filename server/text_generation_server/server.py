@@ -1,0 +1,217 @@
+"""The gRPC servicer of generate.v3.TextGenerationService and the `serve` loop.
+
+Protobuf stays at this boundary: batches come in through `CausalLMBatch.from_pb`, and
+`Generation` dataclasses go out through `generation_to_pb`. Errors: a `ValueError` (a bad
+request) becomes INVALID_ARGUMENT with its message and the shard keeps serving; a
+`RuntimeError` (a broken model or device state) becomes INTERNAL and stops the shard, as
+upstream's does, so that the launcher notices; anything else becomes INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from grpc_reflection.v1alpha import reflection
+from loguru import logger
+
+from .cache import Cache
+from .env import ShardEnv
+from .models.batch import CausalLMBatch
+from .models.causal_lm import CausalLM, Generation, TokenInfo
+from .pb import generate_pb2, generate_pb2_grpc
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the shard serves.
+
+    Attributes:
+        uds_path: base socket path; rank r listens on `{uds_path}-{r}`.
+        max_input_tokens: initial limit on prompt tokens (Warmup may set it).
+        dtype: the torch dtype string reported by Info.
+        quantize: the loading strategy reported by Info ("" when none).
+    """
+
+    uds_path: str = "/tmp/text-generation-server"
+    max_input_tokens: int = 4095
+    dtype: str = "torch.float32"
+    quantize: str = ""
+
+    def __post_init__(self) -> None:
+        if self.max_input_tokens <= 0:
+            raise ValueError(f"max_input_tokens must be positive, got {self.max_input_tokens}")
+
+
+def tokens_to_pb(tokens: TokenInfo) -> generate_pb2.Tokens:
+    return generate_pb2.Tokens(ids=tokens.ids, logprobs=tokens.logprobs, texts=tokens.texts,
+                               is_special=tokens.is_special)
+
+
+def generation_to_pb(g: Generation) -> generate_pb2.Generation:
+    pb = generate_pb2.Generation(request_id=g.request_id, tokens=tokens_to_pb(g.tokens),
+                                 top_tokens=[tokens_to_pb(t) for t in g.top_tokens])
+    if g.prefill_tokens is not None:
+        pb.prefill_tokens.CopyFrom(tokens_to_pb(g.prefill_tokens))
+    if g.generated_text is not None:
+        f = g.generated_text
+        pb.generated_text.CopyFrom(generate_pb2.GeneratedText(
+            text=f.text, generated_tokens=f.generated_tokens, finish_reason=int(f.finish_reason), seed=f.seed))
+    return pb
+
+
+class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
+    """Serves one CausalLM; model calls run one at a time in a worker thread."""
+
+    def __init__(self, model: CausalLM, config: ServeConfig, env: ShardEnv, shutdown: asyncio.Event) -> None:
+        self.model = model
+        self.config = config
+        self.env = env
+        self.cache = Cache()
+        self.max_input_tokens = config.max_input_tokens
+        self.lock = asyncio.Lock()
+        self.shutdown = shutdown
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            async with self.lock:
+                return await asyncio.to_thread(fn, *args)
+        except ValueError as err:
+            logger.warning(f"Bad request: {err}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except RuntimeError as err:
+            logger.exception(f"Model error, shutting the shard down: {err}")
+            self.shutdown.set()
+            await context.abort(grpc.StatusCode.INTERNAL, str(err))
+        except Exception as err:
+            logger.exception(f"Error: {err}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+        raise AssertionError("context.abort returns only by raising")
+
+    async def Info(self, request: generate_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> generate_pb2.InfoResponse:
+        return generate_pb2.InfoResponse(
+            requires_padding=True, dtype=self.config.dtype, device_type=self.model.runner.device.type,
+            speculate=0, support_chunking=False, use_prefix_caching=False,
+            attention_impl=self.env.attention, block_size=self.env.block_size,
+            runner=self.model.runner.name, quantize=self.config.quantize,
+        )
+
+    async def Health(self, request: generate_pb2.HealthRequest, context: grpc.aio.ServicerContext) -> generate_pb2.HealthResponse:
+        return generate_pb2.HealthResponse()
+
+    async def ServiceDiscovery(self, request: generate_pb2.ServiceDiscoveryRequest,
+                               context: grpc.aio.ServicerContext) -> generate_pb2.ServiceDiscoveryResponse:
+        urls = [f"unix://{self.config.uds_path}-{rank}" for rank in range(self.env.world_size)]
+        return generate_pb2.ServiceDiscoveryResponse(urls=urls)
+
+    async def ClearCache(self, request: generate_pb2.ClearCacheRequest,
+                         context: grpc.aio.ServicerContext) -> generate_pb2.ClearCacheResponse:
+        if request.HasField("id"):
+            self.cache.delete(request.id)
+        else:
+            self.cache.clear()
+        return generate_pb2.ClearCacheResponse()
+
+    async def FilterBatch(self, request: generate_pb2.FilterBatchRequest,
+                          context: grpc.aio.ServicerContext) -> generate_pb2.FilterBatchResponse:
+        return await self._call(context, self._filter, request)
+
+    def _filter(self, request: generate_pb2.FilterBatchRequest) -> generate_pb2.FilterBatchResponse:
+        batch = self.cache.pop(request.batch_id)
+        try:
+            filtered = batch.filter(list(request.request_ids))
+        except ValueError:
+            self.cache.set(batch)  # a bad filter request leaves the batch as it was
+            raise
+        self.cache.set(filtered)
+        return generate_pb2.FilterBatchResponse(batch=filtered.to_pb())
+
+    async def Warmup(self, request: generate_pb2.WarmupRequest,
+                     context: grpc.aio.ServicerContext) -> generate_pb2.WarmupResponse:
+        return await self._call(context, self._warmup, request)
+
+    def _warmup(self, request: generate_pb2.WarmupRequest) -> generate_pb2.WarmupResponse:
+        max_input = request.max_input_tokens if request.HasField("max_input_tokens") else None
+        self.max_input_tokens = max(self.max_input_tokens, max_input or 0)
+        batch = self._from_pb(request.batch)
+        padded_tokens = batch.pending_ids.numel()
+        self.model.generate_token(batch)  # a dry run; the result is not cached
+        max_total = request.max_total_tokens if request.HasField("max_total_tokens") else padded_tokens
+        max_input = max_input if max_input is not None else max_total - 1
+        self.max_input_tokens = max_input
+        logger.info(f"Warmup done: {padded_tokens} padded tokens, max_input={max_input}, max_total={max_total}")
+        return generate_pb2.WarmupResponse(max_input_tokens=max_input, max_total_tokens=max_total)
+
+    def _from_pb(self, pb: generate_pb2.Batch) -> CausalLMBatch:
+        return CausalLMBatch.from_pb(pb, self.model.tokenizer, self.model.runner, self.model.eos_token_ids,
+                                     self.max_input_tokens)
+
+    async def Prefill(self, request: generate_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> generate_pb2.PrefillResponse:
+        return await self._call(context, self._prefill, request, time.perf_counter_ns())
+
+    def _prefill(self, request: generate_pb2.PrefillRequest, start_ns: int) -> generate_pb2.PrefillResponse:
+        batch = self._from_pb(request.batch)
+        generations, next_batch, timings = self.model.generate_token(batch)
+        self.cache.set(next_batch)
+        return generate_pb2.PrefillResponse(
+            generations=[generation_to_pb(g) for g in generations],
+            batch=next_batch.to_pb() if next_batch is not None else None,
+            forward_ns=timings.forward_ns, decode_ns=timings.decode_ns,
+            total_ns=time.perf_counter_ns() - start_ns)
+
+    async def Decode(self, request: generate_pb2.DecodeRequest,
+                     context: grpc.aio.ServicerContext) -> generate_pb2.DecodeResponse:
+        return await self._call(context, self._decode, request, time.perf_counter_ns())
+
+    def _decode(self, request: generate_pb2.DecodeRequest, start_ns: int) -> generate_pb2.DecodeResponse:
+        if not request.batches:
+            raise ValueError("Decode needs at least one batch")
+        batches = [self.cache.pop(b.id) for b in request.batches]
+        concat_ns = None
+        if len(batches) > 1:
+            concat_start = time.perf_counter_ns()
+            batch = CausalLMBatch.concatenate(batches)
+            concat_ns = time.perf_counter_ns() - concat_start
+        else:
+            batch = batches[0]
+        generations, next_batch, timings = self.model.generate_token(batch)
+        self.cache.set(next_batch)
+        return generate_pb2.DecodeResponse(
+            generations=[generation_to_pb(g) for g in generations],
+            batch=next_batch.to_pb() if next_batch is not None else None,
+            forward_ns=timings.forward_ns, decode_ns=timings.decode_ns,
+            total_ns=time.perf_counter_ns() - start_ns, concat_ns=concat_ns)
+
+
+async def serve_model(model: CausalLM, config: ServeConfig) -> None:
+    """Bind `{uds_path}-{rank}` once the model is loaded and serve until SIGINT/SIGTERM."""
+    env = ShardEnv.read()
+    shutdown = asyncio.Event()
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2**31 - 1),
+                                      ("grpc.max_send_message_length", 2**31 - 1)])
+    generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(
+        TextGenerationService(model, config, env, shutdown), server)
+    service_names = (generate_pb2.DESCRIPTOR.services_by_name["TextGenerationService"].full_name,
+                     reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(service_names, server)
+    socket_path = f"{config.uds_path}-{env.rank}"
+    if os.path.exists(socket_path):
+        os.unlink(socket_path)
+    server.add_insecure_port(f"unix://{socket_path}")
+    await server.start()
+    logger.info(f"Server started at unix://{socket_path}")
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, shutdown.set)
+    await shutdown.wait()
+    logger.info("Signal received. Shutting down")
+    await server.stop(grace=5)

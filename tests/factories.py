@@ -1,0 +1,75 @@
+"""Factories for generate.v3 requests and a small driver that runs requests to completion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from text_generation_server.pb import generate_pb2, generate_pb2_grpc
+
+CHAT_FRANCE = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def make_request(request_id: int, inputs: str, max_new_tokens: int = 8, *, stop: tuple[str, ...] = (),
+                 ignore_eos: bool = False, top_n_tokens: int = 0, prefill_logprobs: bool = False,
+                 truncate: int = 0, **params: object) -> generate_pb2.Request:
+    base: dict[str, object] = {"temperature": 1.0, "top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0}
+    base.update(params)
+    return generate_pb2.Request(
+        id=request_id, inputs=inputs, truncate=truncate,
+        input_chunks=generate_pb2.Input(chunks=[generate_pb2.InputChunk(text=inputs)]),
+        parameters=generate_pb2.NextTokenChooserParameters(**base),  # type: ignore[arg-type]
+        stopping_parameters=generate_pb2.StoppingCriteriaParameters(
+            max_new_tokens=max_new_tokens, stop_sequences=list(stop), ignore_eos_token=ignore_eos),
+        top_n_tokens=top_n_tokens, prefill_logprobs=prefill_logprobs, add_special_tokens=True,
+    )
+
+
+def make_batch(batch_id: int, requests: list[generate_pb2.Request]) -> generate_pb2.Batch:
+    return generate_pb2.Batch(id=batch_id, requests=requests, size=len(requests),
+                              max_tokens=sum(r.stopping_parameters.max_new_tokens for r in requests))
+
+
+@dataclass
+class Outcome:
+    """Everything a request produced, collected across steps."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    top_tokens: list[generate_pb2.Tokens] = field(default_factory=list)
+    prefill: generate_pb2.Tokens | None = None
+    final: generate_pb2.GeneratedText | None = None
+
+
+def collect(outcomes: dict[int, Outcome], generations: list[generate_pb2.Generation]) -> None:
+    for g in generations:
+        o = outcomes.setdefault(g.request_id, Outcome())
+        assert len(g.tokens.ids) == len(g.tokens.logprobs) == len(g.tokens.texts) == len(g.tokens.is_special)
+        o.token_ids.extend(g.tokens.ids)
+        o.logprobs.extend(g.tokens.logprobs)
+        o.texts.extend(g.tokens.texts)
+        o.top_tokens.extend(g.top_tokens)
+        if g.HasField("prefill_tokens") and g.prefill_tokens.ids:
+            o.prefill = g.prefill_tokens
+        if g.HasField("generated_text"):
+            o.final = g.generated_text
+
+
+def run_to_completion(stub: generate_pb2_grpc.TextGenerationServiceStub, batch_id: int,
+                      requests: list[generate_pb2.Request]) -> dict[int, Outcome]:
+    """Prefill, then Decode (filtering finished requests as the router does) until all finish."""
+    outcomes: dict[int, Outcome] = {}
+    response = stub.Prefill(generate_pb2.PrefillRequest(batch=make_batch(batch_id, requests)))
+    collect(outcomes, list(response.generations))
+    cached = response.batch if response.HasField("batch") else None
+    while cached is not None:
+        live = [rid for rid in cached.request_ids if outcomes[rid].final is None]
+        if len(live) != len(cached.request_ids):
+            cached = stub.FilterBatch(generate_pb2.FilterBatchRequest(batch_id=cached.id, request_ids=live)).batch
+        decoded = stub.Decode(generate_pb2.DecodeRequest(batches=[cached]))
+        collect(outcomes, list(decoded.generations))
+        cached = decoded.batch if decoded.HasField("batch") else None
+    return outcomes
