@@ -1,0 +1,197 @@
+"""Continuous batching: the loop that drives Prefill/Decode/FilterBatch (spec §1.5).
+
+Design note: one batch is cached in the shard at a time. While it runs, the loop may
+prefill a new batch from the queue (when the queue holds at least
+`floor(size * waiting_served_ratio)` requests or after `max_waiting_tokens` decode steps
+without an admission) and then decodes [running, new] together, which the shard merges under
+the running batch's id. After every step finished and abandoned requests are removed with
+FilterBatch, or ClearCache when none is left.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from loguru import logger
+
+from text_generation_router.client import ShardClient, ShardError, StepResult
+from text_generation_router.config import ServingLimits
+from text_generation_router.dispatch import dispatch_generations, to_pb_batch
+from text_generation_router.events import ErrorEvent
+from text_generation_router.handshake import ShardInfo
+from text_generation_router.metrics import Metrics
+from text_generation_router.pb import generate_pb2 as pb
+from text_generation_router.queue import Budget, Entry, Queue
+
+T = TypeVar("T")
+
+
+class Health:
+    """Set false by any generation error; /health then probes with a real Prefill."""
+
+    def __init__(self) -> None:
+        self.generation_ok = True
+
+
+class Batcher:
+    """Owns the queue's consumer side and the shard's batch cache."""
+
+    def __init__(
+        self,
+        client: ShardClient,
+        queue: Queue,
+        shard: ShardInfo,
+        limits: ServingLimits,
+        metrics: Metrics,
+        health: Health,
+        scheduling: tuple[float, int, int | None],
+    ) -> None:
+        self.client = client
+        self.queue = queue
+        self.shard = shard
+        self.limits = limits
+        self.metrics = metrics
+        self.health = health
+        self.waiting_served_ratio, self.max_waiting_tokens, self.max_batch_size = scheduling
+        self._next_batch_id = 0
+
+    def _budget(self, total_tokens: int, running_size: int) -> Budget:
+        max_size = None if self.max_batch_size is None else self.max_batch_size - running_size
+        return Budget(
+            prefill_tokens=self.limits.max_batch_prefill_tokens,
+            total_tokens=total_tokens,
+            max_size=max_size,
+            requires_padding=self.shard.requires_padding,
+            block_size=self.shard.block_size,
+            speculate=self.shard.speculate,
+        )
+
+    async def run(self) -> None:
+        """Serve the queue forever."""
+        while True:
+            await self.queue.notify.wait()
+            self.queue.notify.clear()
+            budget = self._budget(self.limits.max_batch_total_tokens, 0)
+            while (entries := self.queue.next_batch(None, budget)) is not None:
+                await self._serve(entries)
+                budget = self._budget(self.limits.max_batch_total_tokens, 0)
+            self.metrics.queue_size.set(len(self.queue))
+
+    async def _serve(self, first: list[Entry]) -> None:
+        """Run one batch to completion, admitting new requests while it runs."""
+        entries = {e.id: e for e in first}
+        cached = await self._prefill(entries, first)
+        waiting_steps = 1
+        while cached is not None:
+            self.metrics.batch_current_size.set(cached.size)
+            self.metrics.batch_current_max_tokens.set(cached.max_tokens)
+            batches = [cached]
+            new_cached, reason = await self._admit(cached, entries, waiting_steps)
+            if new_cached is not None:
+                batches.append(new_cached)
+                self.metrics.batch_concat.labels(reason=reason).inc()
+                waiting_steps = 1
+            cached = await self._decode(entries, batches)
+            waiting_steps += 1
+        self.metrics.batch_current_size.set(0)
+        self.metrics.batch_current_max_tokens.set(0)
+
+    async def _admit(
+        self, cached: pb.CachedBatch, entries: dict[int, Entry], waiting_steps: int
+    ) -> tuple[pb.CachedBatch | None, str]:
+        """Prefill a new batch next to the running one when the queue warrants it."""
+        if len(self.queue) == 0:
+            return None, ""
+        wait_exceeded = waiting_steps >= self.max_waiting_tokens
+        min_size = None if wait_exceeded else math.floor(cached.size * self.waiting_served_ratio)
+        total = self.limits.max_batch_total_tokens - cached.max_tokens
+        new = self.queue.next_batch(min_size, self._budget(total, cached.size))
+        self.metrics.queue_size.set(len(self.queue))
+        if new is None:
+            return None, ""
+        new_entries = {e.id: e for e in new}
+        new_cached = await self._prefill(new_entries, new)
+        entries.update(new_entries)
+        return new_cached, "wait_exceeded" if wait_exceeded else "backpressure"
+
+    async def _prefill(self, entries: dict[int, Entry], batch_entries: list[Entry]) -> pb.CachedBatch | None:
+        batch = to_pb_batch(self._next_batch_id, batch_entries)
+        self._next_batch_id += 1
+        self.metrics.batch_next_size.observe(len(batch_entries))
+        return await self._step("prefill", entries, [batch.id], self.client.prefill(batch))
+
+    async def _decode(self, entries: dict[int, Entry], batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
+        return await self._step("decode", entries, [b.id for b in batches], self.client.decode(batches))
+
+    async def _step(
+        self,
+        method: str,
+        entries: dict[int, Entry],
+        batch_ids: list[int],
+        call: Coroutine[Any, Any, StepResult],
+    ) -> pb.CachedBatch | None:
+        """Run one shard step, hand out its tokens and shrink the cached batch."""
+        self.metrics.batch_inference_count.labels(method=method).inc()
+        started = time.monotonic()
+        try:
+            result = await call
+        except ShardError as err:
+            await self._fail(method, entries, batch_ids, err)
+            return None
+        self._observe(method, result, time.monotonic() - started)
+        dispatch_generations(result.generations, entries, self.metrics)
+        return await self._follow_up(method, result.batch, entries)
+
+    def _observe(self, method: str, result: StepResult, elapsed_s: float) -> None:
+        m = self.metrics
+        m.batch_inference_success.labels(method=method).inc()
+        m.batch_inference_duration.labels(method=method).observe(elapsed_s)
+        m.batch_forward_duration.labels(method=method).observe(result.forward_ns / 1e9)
+        m.batch_decode_duration.labels(method=method).observe(result.decode_ns / 1e9)
+        if result.concat_ns is not None:
+            m.batch_concat_duration.labels(method="decode").observe(result.concat_ns / 1e9)
+
+    async def _follow_up(
+        self, method: str, batch: pb.CachedBatch | None, entries: dict[int, Entry]
+    ) -> pb.CachedBatch | None:
+        """Router-side follow-up of spec §1.5: ClearCache or FilterBatch as requests end."""
+        if batch is None:
+            return None
+        if not entries:
+            await self._guarded(self.client.clear_cache(batch.id), entries, [batch.id])
+            return None
+        if batch.size == len(entries):
+            return batch
+        live_ids = [i for i in batch.request_ids if i in entries]
+        started = time.monotonic()
+        filtered = await self._guarded(self.client.filter_batch(batch.id, live_ids), entries, [batch.id])
+        self.metrics.batch_filter_duration.labels(method=method).observe(time.monotonic() - started)
+        return filtered
+
+    async def _guarded(
+        self, call: Coroutine[Any, Any, T], entries: dict[int, Entry], batch_ids: list[int]
+    ) -> T | None:
+        try:
+            return await call
+        except ShardError as err:
+            await self._fail("decode", entries, batch_ids, err)
+            return None
+
+    async def _fail(
+        self, method: str, entries: dict[int, Entry], batch_ids: list[int], err: ShardError
+    ) -> None:
+        """A step failed: drop the batches in the shard and fail all their requests."""
+        logger.error("{} failed: {}", method, err.message)
+        self.metrics.batch_inference_failure.labels(method=method).inc()
+        self.health.generation_ok = False
+        for entry in entries.values():
+            entry.events.put_nowait(ErrorEvent(err.message))
+        entries.clear()
+        for batch_id in batch_ids:
+            try:
+                await self.client.clear_cache(batch_id)
+            except ShardError as clear_err:
+                logger.error("ClearCache({}) failed too: {}", batch_id, clear_err.message)

@@ -1,0 +1,137 @@
+"""The protobuf boundary of the batcher: entries -> pb.Batch, pb.Generation -> events."""
+
+from __future__ import annotations
+
+import time
+
+from text_generation_router.events import (
+    GeneratedText,
+    LayerSkip,
+    PrefillEvent,
+    Token,
+    TokenEvent,
+)
+from text_generation_router.metrics import Metrics
+from text_generation_router.pb import generate_pb2 as pb
+from text_generation_router.queue import Entry
+
+FINISH_REASONS = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_EOS_TOKEN: "eos_token",
+    pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
+}
+
+
+def to_pb_request(entry: Entry) -> pb.Request:
+    r = entry.request
+    p = r.parameters
+    request = pb.Request(
+        id=entry.id,
+        inputs=r.inputs,
+        input_chunks=pb.Input(chunks=[pb.InputChunk(text=r.inputs)]),
+        truncate=r.truncate,
+        add_special_tokens=r.add_special_tokens,
+        prefill_logprobs=r.decoder_input_details,
+        top_n_tokens=r.top_n_tokens,
+        layer_skip_mode=r.layer_skip_mode,
+        parameters=pb.NextTokenChooserParameters(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, typical_p=p.typical_p,
+            do_sample=p.do_sample, seed=p.seed, repetition_penalty=p.repetition_penalty,
+            frequency_penalty=p.frequency_penalty, watermark=p.watermark, grammar=p.grammar,
+            grammar_type=p.grammar_type,  # type: ignore[arg-type]
+        ),
+        stopping_parameters=pb.StoppingCriteriaParameters(
+            max_new_tokens=r.max_new_tokens, stop_sequences=r.stop_sequences,
+            ignore_eos_token=False,
+        ),
+    )
+    if r.adapter_id is not None:
+        request.adapter_id = r.adapter_id
+    return request
+
+
+def to_pb_batch(batch_id: int, entries: list[Entry]) -> pb.Batch:
+    """Padded batch: no blocks or slots; max_tokens is the padded estimate."""
+    max_input = max(e.request.input_length for e in entries)
+    max_tokens = len(entries) * max_input + sum(e.request.max_new_tokens for e in entries)
+    return pb.Batch(
+        id=batch_id,
+        requests=[to_pb_request(e) for e in entries],
+        size=len(entries),
+        max_tokens=max_tokens,
+        max_blocks=0,
+    )
+
+
+def _tokens(t: pb.Tokens) -> list[Token]:
+    special = list(t.is_special) or [False] * len(t.ids)
+    return [
+        Token(id=i, text=text, logprob=lp, special=sp)
+        for i, lp, text, sp in zip(t.ids, t.logprobs, t.texts, special, strict=False)
+    ]
+
+
+def _layer_skip(g: pb.Generation) -> LayerSkip | None:
+    if not g.HasField("layer_skip"):
+        return None
+    r = g.layer_skip
+    return LayerSkip(
+        mode=r.mode, skipped_layers=list(r.skipped_layers), rule=r.rule,
+        max_score=r.max_score, mean_score=r.mean_score, stats=dict(r.stats),
+    )
+
+
+def _generated_text(g: pb.Generation) -> GeneratedText | None:
+    if not g.HasField("generated_text"):
+        return None
+    gt = g.generated_text
+    return GeneratedText(
+        text=gt.text,
+        generated_tokens=gt.generated_tokens,
+        finish_reason=FINISH_REASONS.get(gt.finish_reason, "length"),
+        seed=gt.seed if gt.HasField("seed") else None,
+    )
+
+
+def dispatch_generations(
+    generations: list[pb.Generation], entries: dict[int, Entry], metrics: Metrics
+) -> None:
+    """Send each generation to its request; forget requests that ended or went away."""
+    for g in generations:
+        entry = entries.get(g.request_id)
+        if entry is None:
+            continue
+        if entry.dropped:
+            metrics.request_failure.labels(err="dropped").inc()
+            del entries[g.request_id]
+            continue
+        if entry.layer_skip is None:
+            entry.layer_skip = _layer_skip(g)
+        if g.HasField("prefill_tokens") and len(g.prefill_tokens.ids) > 0:
+            entry.events.put_nowait(PrefillEvent(_tokens(g.prefill_tokens)))
+        tokens = _tokens(g.tokens)
+        end = _generated_text(g)
+        for n, token in enumerate(tokens):
+            top = _tokens(g.top_tokens[n]) if n < len(g.top_tokens) else []
+            last = n == len(tokens) - 1
+            entry.events.put_nowait(
+                TokenEvent(
+                    token=token, top_tokens=top, end=end if last else None,
+                    layer_skip=entry.layer_skip,
+                )
+            )
+        if end is not None:
+            del entries[g.request_id]
+            _observe_end(entry, end, metrics)
+
+
+def _observe_end(entry: Entry, end: GeneratedText, metrics: Metrics) -> None:
+    now = time.monotonic()
+    batched_at = entry.batched_at or now
+    metrics.request_queue_duration.observe(batched_at - entry.queued_at)
+    metrics.request_inference_duration.observe(now - batched_at)
+    metrics.request_generated_tokens.observe(end.generated_tokens)
+    if end.generated_tokens:
+        metrics.request_mean_time_per_token_duration.observe(
+            (now - batched_at) / end.generated_tokens
+        )

@@ -1,0 +1,60 @@
+"""What the batcher sends to a waiting HTTP handler, one event per step (typed, no protobuf)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+@dataclass(frozen=True)
+class LayerSkip:
+    """The shard's layer-skip plan for a request (proto LayerSkipReport)."""
+
+    mode: str
+    skipped_layers: list[int]
+    rule: str
+    max_score: float
+    mean_score: float
+    stats: dict[str, float]
+
+
+@dataclass(frozen=True)
+class GeneratedText:
+    text: str
+    generated_tokens: int
+    finish_reason: str  # length | eos_token | stop_sequence
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class PrefillEvent:
+    """Prompt tokens with their logprobs (first logprob is NaN), if asked."""
+
+    tokens: list[Token]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token; `end` is set on the request's last token."""
+
+    token: Token
+    top_tokens: list[Token] = field(default_factory=list)
+    end: GeneratedText | None = None
+    layer_skip: LayerSkip | None = None
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The request failed in the shard; `message` is the shard's gRPC detail."""
+
+    message: str
+
+
+InferEvent = PrefillEvent | TokenEvent | ErrorEvent

@@ -1,0 +1,117 @@
+"""The native generation routes: POST /generate, /generate_stream and / (spec §2.1-2.4)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from text_generation_router import sse
+from text_generation_router.errors import InferError, ValidationFailed
+from text_generation_router.events import TokenEvent
+from text_generation_router.infer import Generation, Timing
+from text_generation_router.responses import (
+    generate_headers,
+    generate_json,
+    stream_headers,
+    stream_token_json,
+)
+from text_generation_router.schemas import GenerateRequest
+from text_generation_router.state import AppState
+from text_generation_router.validation import ValidationError, validate_best_of
+
+
+def _mean_logprob(g: Generation) -> float:
+    if not g.tokens:
+        return float("-inf")
+    return sum(t.logprob for t in g.tokens) / len(g.tokens)
+
+
+async def run_generate(
+    state: AppState, req: GenerateRequest, timing: Timing
+) -> tuple[Generation, list[Generation]]:
+    """Validate and run one request (or best_of copies); returns (best, others)."""
+    p = req.effective_parameters()
+    best_of = p.best_of if p.best_of is not None else 1
+    if best_of != 1:
+        try:
+            validate_best_of(best_of, state.config.max_best_of)
+        except ValidationError as err:
+            raise ValidationFailed(str(err)) from err
+    requests = [
+        await state.infer.validate(req.inputs, p, req.add_special_tokens) for _ in range(best_of)
+    ]
+    timing.validated = time.monotonic()
+    generations = await asyncio.gather(*(state.infer.generate(r, timing) for r in requests))
+    ranked = sorted(generations, key=_mean_logprob, reverse=True)
+    return ranked[0], ranked[1:]
+
+
+async def generate_response(
+    state: AppState, req: GenerateRequest, default_full_text: bool, as_list: bool
+) -> JSONResponse:
+    """Non-streaming answer of /generate (object) or / (one-item list)."""
+    timing = Timing()
+    state.metrics.request_count.inc()
+    try:
+        async with state.infer.slot():
+            best, others = await run_generate(state, req, timing)
+    except InferError as err:
+        state.metrics.request_failure.labels(err=err.metric_label).inc()
+        raise
+    p = req.effective_parameters()
+    full = p.return_full_text if p.return_full_text is not None else default_full_text
+    details = p.details or p.decoder_input_details
+    body = generate_json(best, details, full, others)
+    state.metrics.request_success.inc()
+    state.metrics.request_duration.observe(time.monotonic() - timing.started)
+    headers = generate_headers(best, timing, len(req.inputs))
+    return JSONResponse([body] if as_list else body, headers=headers)
+
+
+async def _stream_events(
+    state: AppState, req: GenerateRequest, default_full_text: bool
+) -> AsyncIterator[bytes]:
+    timing = Timing()
+    state.metrics.request_count.inc()
+    try:
+        async with state.infer.slot():
+            p = req.effective_parameters()
+            if p.best_of is not None and p.best_of != 1:
+                raise ValidationFailed("`best_of` != 1 is not supported when streaming tokens")
+            if p.decoder_input_details:
+                raise ValidationFailed(
+                    "`decoder_input_details` == true is not supported when streaming tokens"
+                )
+            request = await state.infer.validate(req.inputs, p, req.add_special_tokens)
+            timing.validated = time.monotonic()
+            full = p.return_full_text if p.return_full_text is not None else default_full_text
+            prefix = req.inputs if full else ""
+            index = 0
+            async for event in state.infer.stream(request, timing):
+                if not isinstance(event, TokenEvent):
+                    continue
+                index += 1
+                yield sse.event(stream_token_json(
+                    index, event.token, event.top_tokens, event.end, p.details, prefix,
+                    request.input_length,
+                ))
+                if event.end is not None:
+                    state.metrics.request_success.inc()
+                    state.metrics.request_duration.observe(time.monotonic() - timing.started)
+                    return
+        yield sse.event({"error": "Incomplete generation stream", "error_type": "incomplete_generation_stream"})
+    except InferError as err:
+        state.metrics.request_failure.labels(err=err.metric_label).inc()
+        yield sse.event({"error": err.message, "error_type": err.error_type})
+
+
+def stream_response(state: AppState, req: GenerateRequest, default_full_text: bool) -> StreamingResponse:
+    """SSE of StreamResponse events; always 200, errors arrive as events (no [DONE])."""
+    return StreamingResponse(
+        _stream_events(state, req, default_full_text),
+        media_type="text/event-stream",
+        headers=stream_headers(len(req.inputs)),
+    )

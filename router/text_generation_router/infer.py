@@ -1,0 +1,165 @@
+"""From an HTTP request to a stream of tokens: concurrency limit, validation, queueing.
+
+`Infer.stream` yields TokenEvents (and a PrefillEvent when asked) and raises InferError;
+`Infer.generate` collects them into a `Generation` for the non-streaming routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from text_generation_router.errors import (
+    GenerationFailed,
+    IncompleteGeneration,
+    Overloaded,
+    ValidationFailed,
+)
+from text_generation_router.events import (
+    ErrorEvent,
+    GeneratedText,
+    InferEvent,
+    LayerSkip,
+    PrefillEvent,
+    Token,
+    TokenEvent,
+)
+from text_generation_router.metrics import Metrics
+from text_generation_router.queue import Queue
+from text_generation_router.schemas import GenerateParameters
+from text_generation_router.tokenizer import Tokenizer
+from text_generation_router.validation import (
+    Limits,
+    ValidationError,
+    ValidRequest,
+    build_valid_request,
+    check_grammar,
+    check_layer_skip,
+    check_lengths,
+    check_sampling_parameters,
+)
+
+
+@dataclass
+class Generation:
+    """A finished request, as the non-streaming routes need it."""
+
+    request: ValidRequest
+    generated: GeneratedText
+    tokens: list[Token] = field(default_factory=list)
+    top_tokens: list[list[Token]] = field(default_factory=list)
+    prefill: list[Token] = field(default_factory=list)
+    layer_skip: LayerSkip | None = None
+    queued_s: float = 0.0
+    inference_s: float = 0.0
+
+
+@dataclass
+class Timing:
+    """Wall-clock marks of one request, for the x-*-time headers."""
+
+    started: float = field(default_factory=time.monotonic)
+    validated: float = 0.0
+    first_batched: float = 0.0
+
+
+class Infer:
+    """Entry point of the generation routes."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, queue: Queue, limits: Limits, metrics: Metrics,
+        max_concurrent_requests: int, validation_workers: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.queue = queue
+        self.limits = limits
+        self.metrics = metrics
+        self.max_concurrent_requests = max_concurrent_requests
+        self.in_flight = 0
+        self._pool = ThreadPoolExecutor(validation_workers, thread_name_prefix="validation")
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """One of max_concurrent_requests; refused at once (429) when none is free."""
+        if self.in_flight >= self.max_concurrent_requests:
+            raise Overloaded()
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    async def validate(
+        self, inputs: str, p: GenerateParameters, add_special_tokens: bool = True
+    ) -> ValidRequest:
+        """Upstream's checks in order; raises ValidationFailed with the literal message."""
+        started = time.monotonic()
+        try:
+            check_sampling_parameters(p, self.limits)
+            num_tokens = 0
+            if inputs:
+                ids = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self.tokenizer.encode, inputs, add_special_tokens
+                )
+                num_tokens = len(ids)
+            lengths = check_lengths(inputs, p, num_tokens, self.limits.serving)
+            check_layer_skip(p.layer_skip)
+            grammar = check_grammar(p, self.limits)
+        except ValidationError as err:
+            raise ValidationFailed(str(err)) from err
+        request = build_valid_request(inputs, p, lengths, grammar, add_special_tokens)
+        self.metrics.request_validation_duration.observe(time.monotonic() - started)
+        self.metrics.request_input_length.observe(request.input_length)
+        self.metrics.request_max_new_tokens.observe(request.max_new_tokens)
+        return request
+
+    async def stream(self, request: ValidRequest, timing: Timing) -> AsyncIterator[InferEvent]:
+        """Queue a validated request and yield its events until its last token.
+
+        Closing the iterator early (client gone) marks the request dropped; the batcher
+        removes it at the next step.
+        """
+        entry = self.queue.append(request)
+        self.metrics.queue_size.set(len(self.queue))
+        finished = False
+        try:
+            while True:
+                event = await entry.events.get()
+                if isinstance(event, ErrorEvent):
+                    finished = True
+                    raise GenerationFailed(event.message)
+                if not timing.first_batched:
+                    timing.first_batched = entry.batched_at or time.monotonic()
+                yield event
+                if isinstance(event, TokenEvent) and event.end is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                entry.dropped = True
+
+    async def generate(self, request: ValidRequest, timing: Timing) -> Generation:
+        """Run a request to completion and collect its tokens."""
+        tokens: list[Token] = []
+        tops: list[list[Token]] = []
+        prefill: list[Token] = []
+        async for event in self.stream(request, timing):
+            if isinstance(event, PrefillEvent):
+                prefill = event.tokens
+            elif isinstance(event, TokenEvent):
+                tokens.append(event.token)
+                if event.top_tokens:
+                    tops.append(event.top_tokens)
+                if event.end is not None:
+                    now = time.monotonic()
+                    return Generation(
+                        request=request, generated=event.end, tokens=tokens, top_tokens=tops,
+                        prefill=prefill, layer_skip=event.layer_skip,
+                        queued_s=timing.first_batched - timing.validated,
+                        inference_s=now - timing.first_batched,
+                    )
+        raise IncompleteGeneration()

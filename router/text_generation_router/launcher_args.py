@@ -1,0 +1,145 @@
+"""Flags of `text-generation-launcher`: upstream names and defaults, SCREAMING_SNAKE env
+equivalents (spec §3.1), and the upstream flags this backend refuses by name."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from dataclasses import dataclass
+
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+# Upstream flags that have no meaning on this backend, with what to do instead.
+REFUSED = {
+    "--speculate": "n-gram/Medusa speculation is not supported; use --layer-skip-mode verified",
+    "--kv-cache-dtype": "fp8 KV caches are not supported on this backend",
+    "--cuda-graphs": "CUDA graphs are not used by this backend",
+    "--cuda-memory-fraction": "this backend does not reserve a CUDA memory fraction",
+    "--lora-adapters": "LoRA adapters are not supported",
+    "--rope-scaling": "RoPE scaling overrides are not supported",
+    "--rope-factor": "RoPE scaling overrides are not supported",
+    "--watermark-gamma": "watermarking is not supported",
+    "--watermark-delta": "watermarking is not supported",
+    "--tokenizer-config-path": "the tokenizer config is read from the model folder",
+    "--weights-cache-override": "weights are resolved by `text-generation-server download-weights`",
+    "--disable-custom-kernels": "this backend has no custom kernels",
+    "--ngrok": "ngrok tunnels are not supported",
+    "--ngrok-authtoken": "ngrok tunnels are not supported",
+    "--ngrok-edge": "ngrok tunnels are not supported",
+    "--env": "print your environment with `env` instead",
+    "--max-client-batch-size-per-prompt": "unknown upstream option",
+}
+
+
+def _env(name: str, default: str | None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+
+
+def _hostname_default() -> str:
+    """HOSTNAME is usually the machine's name, not an address: upstream falls back then."""
+    value = os.environ.get("HOSTNAME", "")
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return "0.0.0.0"
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="text-generation-launcher")
+    p.add_argument("--model-id", default=_env("MODEL_ID", DEFAULT_MODEL_ID))
+    p.add_argument("--revision", default=_env("REVISION", None))
+    p.add_argument("--quantize", default=_env("QUANTIZE", None), choices=[
+        "awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bitsandbytes",
+        "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8"])
+    p.add_argument("--dtype", default=_env("DTYPE", None), choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--trust-remote-code", action="store_true", default=_env_flag("TRUST_REMOTE_CODE"))
+    p.add_argument("--num-shard", type=int, default=_env_int("NUM_SHARD", None))
+    p.add_argument("--sharded", default=_env("SHARDED", None), choices=["true", "false"])
+    ints: list[tuple[str, int | None]] = [
+        ("max-input-tokens", None), ("max-input-length", None), ("max-total-tokens", None),
+        ("max-batch-prefill-tokens", None), ("max-batch-total-tokens", None),
+        ("max-batch-size", None), ("max-concurrent-requests", 128), ("max-best-of", 2),
+        ("max-stop-sequences", 4), ("max-top-n-tokens", 5), ("max-waiting-tokens", 20),
+        ("port", 3000), ("prometheus-port", 9000), ("master-port", 29500),
+        ("validation-workers", 2), ("max-client-batch-size", 4), ("payload-limit", 2_000_000),
+        ("graceful-termination-timeout", 90),
+    ]
+    for name, default in ints:
+        env = name.upper().replace("-", "_")
+        p.add_argument(f"--{name}", type=int, default=_env_int(env, default))
+    p.add_argument("--waiting-served-ratio", type=float,
+                   default=float(_env("WAITING_SERVED_RATIO", "0.3") or 0.3))
+    p.add_argument("--hostname", default=_hostname_default())
+    p.add_argument("--shard-uds-path", default=_env("SHARD_UDS_PATH", "/tmp/text-generation-server"))
+    p.add_argument("--master-addr", default=_env("MASTER_ADDR", "localhost"))
+    p.add_argument("--api-key", default=_env("API_KEY", None))
+    p.add_argument("--cors-allow-origin", action="append",
+                   default=[o for o in (_env("CORS_ALLOW_ORIGIN", "") or "").split(",") if o])
+    p.add_argument("--json-output", action="store_true", default=_env_flag("JSON_OUTPUT"))
+    p.add_argument("--disable-grammar-support", action="store_true",
+                   default=_env_flag("DISABLE_GRAMMAR_SUPPORT"))
+    p.add_argument("--enable-prefill-logprobs", action="store_true",
+                   default=_env_flag("ENABLE_PREFILL_LOGPROBS"))
+    p.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT", None))
+    p.add_argument("--otlp-service-name", default=_env("OTLP_SERVICE_NAME", "text-generation-inference.router"))
+    p.add_argument("--usage-stats", default=_env("USAGE_STATS", "on"), choices=["on", "off", "no-stack"])
+    p.add_argument("--huggingface-hub-cache", default=_env("HUGGINGFACE_HUB_CACHE", None))
+    p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None))
+    # Extensions of this fork, passed to the shard.
+    p.add_argument("--runner", default=_env("RUNNER", "auto"), choices=["auto", "fast", "transformers"])
+    p.add_argument("--layer-skip-mode", default=_env("LAYER_SKIP_MODE", "off"),
+                   choices=["off", "shadow", "lossy", "verified"])
+    p.add_argument("--layer-skip-policy", default=_env("LAYER_SKIP_POLICY", None))
+    for flag in REFUSED:
+        p.add_argument(flag, nargs="?", const="", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+@dataclass(frozen=True)
+class LauncherArgs:
+    """Parsed flags; `ns` keeps every value under its argparse name."""
+
+    ns: argparse.Namespace
+
+    def __post_init__(self) -> None:
+        a = self.ns
+        for flag, reason in REFUSED.items():
+            if getattr(a, flag[2:].replace("-", "_")) is not None:
+                raise ValueError(f"{flag} is not supported by this launcher: {reason}")
+        if a.num_shard not in (None, 1) or a.sharded == "true":
+            raise ValueError("--num-shard/--sharded: this backend runs exactly one shard")
+        if a.max_input_tokens is not None and a.max_input_length is not None:
+            raise ValueError("set --max-input-tokens or its legacy name --max-input-length, not both")
+        max_input = a.max_input_tokens if a.max_input_tokens is not None else a.max_input_length
+        if max_input is not None and a.max_total_tokens is not None and max_input >= a.max_total_tokens:
+            raise ValueError(
+                f"`max_input_tokens` ({max_input}) must be < `max_total_tokens` ({a.max_total_tokens})"
+            )
+        if a.validation_workers <= 0:
+            raise ValueError("--validation-workers must be > 0")
+
+    @property
+    def max_input_tokens(self) -> int | None:
+        value: int | None = self.ns.max_input_tokens
+        return value if value is not None else self.ns.max_input_length
+
+    def max_batch_prefill_tokens(self) -> int:
+        """Upstream's default is 4096 (without a known GPU), at least max_input_tokens."""
+        if self.ns.max_batch_prefill_tokens is not None:
+            return int(self.ns.max_batch_prefill_tokens)
+        return max(4096, (self.max_input_tokens or 0))
+
+
+def parse_args(argv: list[str] | None = None) -> LauncherArgs:
+    return LauncherArgs(build_parser().parse_args(argv))

@@ -1,0 +1,58 @@
+"""The router's tokenizer: counts prompt tokens, serves /tokenize and chat templates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import AutoTokenizer
+
+
+@dataclass(frozen=True)
+class TokenSpan:
+    """One token of /tokenize: id, text and its character span in the input."""
+
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
+class Tokenizer:
+    """A transformers tokenizer loaded from a local folder or hub id."""
+
+    def __init__(self, name: str) -> None:
+        self._tok: Any = AutoTokenizer.from_pretrained(name)
+        self.chat_template: str | None = getattr(self._tok, "chat_template", None)
+        self.bos_token: str | None = self._tok.bos_token
+        self.eos_token: str | None = self._tok.eos_token
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return ids
+
+    def spans(self, text: str) -> list[TokenSpan]:
+        """Tokens with offsets; slow tokenizers have none and report empty text at 0/0."""
+        if not getattr(self._tok, "is_fast", False):
+            return [TokenSpan(i, "", 0, 0) for i in self.encode(text)]
+        enc = self._tok(text, add_special_tokens=True, return_offsets_mapping=True)
+        return [
+            TokenSpan(int(i), text[start:stop], int(start), int(stop))
+            for i, (start, stop) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
+        ]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """Render a conversation with the tokenizer's template, ready for the assistant turn."""
+        if not self.chat_template:
+            raise TemplateError("This model does not have a chat template")
+        try:
+            text: str = self._tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as err:  # jinja2 and transformers raise many kinds; all are user errors
+            raise TemplateError(str(err)) from err
+        return text
+
+
+class TemplateError(ValueError):
+    """The chat template could not render the request (HTTP 422 template_error)."""

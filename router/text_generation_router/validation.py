@@ -1,0 +1,209 @@
+"""Request validation in upstream's order with its literal messages (spec §2.2).
+
+A failed check raises ValidationError(message); the HTTP layer prefixes
+`Input validation error: ` and answers 422.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+
+from text_generation_router.config import ServingLimits
+from text_generation_router.schemas import GenerateParameters
+
+LAYER_SKIP_MODES = ("off", "shadow", "lossy", "verified")
+
+
+class ValidationError(ValueError):
+    """A request rejected by validation; str(self) is upstream's literal message."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits: the flags of the router and the limits agreed at warmup."""
+
+    max_best_of: int
+    max_stop_sequences: int
+    max_top_n_tokens: int
+    serving: ServingLimits
+    disable_grammar_support: bool = False
+
+
+@dataclass(frozen=True)
+class ChooserParameters:
+    temperature: float
+    top_k: int
+    top_p: float
+    typical_p: float
+    do_sample: bool
+    seed: int
+    repetition_penalty: float
+    frequency_penalty: float
+    watermark: bool
+    grammar: str = ""
+    grammar_type: int = 0
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request ready for the queue: everything the shard needs, plus sizes for budgets."""
+
+    inputs: str
+    input_length: int
+    truncate: int
+    add_special_tokens: bool
+    parameters: ChooserParameters
+    max_new_tokens: int
+    stop_sequences: list[str] = field(default_factory=list)
+    decoder_input_details: bool = False
+    top_n_tokens: int = 0
+    adapter_id: str | None = None
+    layer_skip_mode: str = ""
+
+
+def validate_best_of(best_of: int, max_best_of: int) -> int:
+    if best_of == 0 or best_of > max_best_of:
+        raise ValidationError(f"`best_of` must be > 0 and <= {max_best_of}. Given: {best_of}")
+    return best_of
+
+
+def check_sampling_parameters(p: GenerateParameters, limits: Limits) -> None:
+    """Checks 1-11 of the upstream order, which need no tokenizer."""
+    sampling = p.do_sample or any(
+        v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p)
+    )
+    if (p.best_of or 1) > 1 and not sampling:
+        raise ValidationError("you must use sampling when `best_of` is > 1")
+    if p.temperature is not None and p.temperature <= 0:
+        raise ValidationError("`temperature` must be strictly positive")
+    if p.repetition_penalty is not None and p.repetition_penalty <= 0:
+        raise ValidationError("`repetition_penalty` must be strictly positive")
+    if p.frequency_penalty is not None and not -2.0 <= p.frequency_penalty <= 2.0:
+        raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
+    if p.top_p is not None and not 0.0 < p.top_p < 1.0:
+        raise ValidationError("`top_p` must be > 0.0 and < 1.0")
+    if p.typical_p is not None and not 0.0 < p.typical_p < 1.0:
+        raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
+    if p.top_k is not None and p.top_k <= 0:
+        raise ValidationError("`top_k` must be strictly positive")
+    if p.max_new_tokens == 0:
+        raise ValidationError("`max_new_tokens` must be strictly positive")
+    if len(p.stop) > limits.max_stop_sequences:
+        raise ValidationError(
+            f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
+            f"Given: {len(p.stop)}"
+        )
+    if (p.best_of or 1) > 1 and p.seed is not None:
+        raise ValidationError("`seed` must not be set when `best_of` > 1")
+    top_n = p.top_n_tokens or 0
+    if top_n > limits.max_top_n_tokens:
+        raise ValidationError(
+            f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. Given: {top_n}"
+        )
+
+
+def check_lengths(
+    inputs: str, p: GenerateParameters, num_tokens: int, serving: ServingLimits
+) -> tuple[int, int, int]:
+    """Checks 12-16; returns (truncate, input_length, max_new_tokens).
+
+    Args:
+        num_tokens: the prompt's token count before truncation (tokenization is check 14).
+    """
+    if not inputs:
+        raise ValidationError("`inputs` cannot be empty")
+    truncate = p.truncate if p.truncate is not None else serving.max_input_tokens
+    if truncate == 0 or truncate > serving.max_input_tokens:
+        raise ValidationError(
+            f"`truncate` must be strictly positive and less than {serving.max_input_tokens}. "
+            f"Given: {truncate}"
+        )
+    input_length = min(num_tokens, truncate) if p.truncate is not None else num_tokens
+    max_new_tokens = p.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = max(serving.max_total_tokens - input_length, 1)
+    if input_length + max_new_tokens > serving.max_total_tokens:
+        raise ValidationError(
+            f"`inputs` tokens + `max_new_tokens` must be <= {serving.max_total_tokens}. "
+            f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`"
+        )
+    if input_length > serving.max_input_tokens:
+        raise ValidationError(
+            f"`inputs` must have less than {serving.max_input_tokens} tokens. "
+            f"Given: {input_length}"
+        )
+    return truncate, input_length, max_new_tokens
+
+
+def check_grammar(p: GenerateParameters, limits: Limits) -> tuple[str, int]:
+    """Check 17; returns (grammar, proto GrammarType). Regex passes through as upstream;
+    JSON schemas are sent as GRAMMAR_TYPE_JSON for the shard to compile."""
+    if p.grammar is None:
+        return "", 0
+    if limits.disable_grammar_support:
+        raise ValidationError("grammar is not supported")
+    kind, value = p.grammar.type, p.grammar.value
+    if kind == "regex":
+        if not isinstance(value, str):
+            raise ValidationError("grammar is not valid: a regex grammar needs a string value")
+        return value, 2
+    if kind in ("json", "json_object", "json_schema"):
+        schema = value.get("schema", value) if kind == "json_schema" and isinstance(value, dict) else value
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as err:
+                raise ValidationError(f"grammar is not valid: {err}") from err
+        if not isinstance(schema, dict) or "properties" not in schema:
+            raise ValidationError("grammar is not valid: Grammar must have a 'properties' field")
+        return json.dumps(schema, separators=(",", ":")), 1
+    raise ValidationError(f"grammar is not valid: unknown grammar type {kind}")
+
+
+def check_layer_skip(mode: str | None) -> str:
+    if mode is None:
+        return ""
+    if mode not in LAYER_SKIP_MODES:
+        raise ValidationError(
+            f"`layer_skip` must be one of {', '.join(LAYER_SKIP_MODES)}. Given: {mode}"
+        )
+    return mode
+
+
+def build_valid_request(
+    inputs: str,
+    p: GenerateParameters,
+    lengths: tuple[int, int, int],
+    grammar: tuple[str, int],
+    add_special_tokens: bool,
+) -> ValidRequest:
+    truncate, input_length, max_new_tokens = lengths
+    seed = p.seed if p.seed is not None else random.getrandbits(63)
+    chooser = ChooserParameters(
+        temperature=p.temperature if p.temperature is not None else 1.0,
+        top_k=p.top_k or 0,
+        top_p=p.top_p if p.top_p is not None else 1.0,
+        typical_p=p.typical_p if p.typical_p is not None else 1.0,
+        do_sample=p.do_sample,
+        seed=seed,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
+        frequency_penalty=p.frequency_penalty or 0.0,
+        watermark=p.watermark,
+        grammar=grammar[0],
+        grammar_type=grammar[1],
+    )
+    return ValidRequest(
+        inputs=inputs,
+        input_length=input_length,
+        truncate=truncate,
+        add_special_tokens=add_special_tokens,
+        parameters=chooser,
+        max_new_tokens=max_new_tokens,
+        stop_sequences=list(p.stop),
+        decoder_input_details=p.decoder_input_details,
+        top_n_tokens=p.top_n_tokens or 0,
+        adapter_id=p.adapter_id,
+        layer_skip_mode=check_layer_skip(p.layer_skip),
+    )
