@@ -139,7 +139,7 @@ async def chat_completion(state: AppState, req: ChatRequest) -> Response:
         }],
         "usage": _usage(g.request.input_length, g.generated.generated_tokens),
     }
-    return JSONResponse(body, headers=generate_headers(g, timing, len(prompt)))
+    return sse.NanSafeJSONResponse(body, headers=generate_headers(g, timing, len(prompt)))
 
 
 def _chunk(state: AppState, choices: list[dict[str, Any]], usage: Any = None) -> bytes:

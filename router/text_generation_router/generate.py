@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from text_generation_router import sse
 from text_generation_router.errors import InferError, ValidationFailed
@@ -51,7 +51,7 @@ async def run_generate(
 
 async def generate_response(
     state: AppState, req: GenerateRequest, default_full_text: bool, as_list: bool
-) -> JSONResponse:
+) -> sse.NanSafeJSONResponse:
     """Non-streaming answer of /generate (object) or / (one-item list)."""
     timing = Timing()
     state.metrics.request_count.inc()
@@ -68,7 +68,7 @@ async def generate_response(
     state.metrics.request_success.inc()
     state.metrics.request_duration.observe(time.monotonic() - timing.started)
     headers = generate_headers(best, timing, len(req.inputs))
-    return JSONResponse([body] if as_list else body, headers=headers)
+    return sse.NanSafeJSONResponse([body] if as_list else body, headers=headers)
 
 
 async def _stream_events(

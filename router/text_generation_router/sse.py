@@ -6,6 +6,8 @@ import json
 import math
 from typing import Any
 
+from fastapi.responses import JSONResponse
+
 KEEP_ALIVE = b":\n\n"
 DONE = b"data:[DONE]\n\n"
 
@@ -29,3 +31,10 @@ def dumps(payload: Any) -> str:
 def event(payload: Any) -> bytes:
     """One SSE event."""
     return f"data:{dumps(payload)}\n\n".encode()
+
+
+class NanSafeJSONResponse(JSONResponse):
+    """JSONResponse whose NaN logprobs render as null (upstream's serde does the same)."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode()

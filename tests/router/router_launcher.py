@@ -1,0 +1,82 @@
+"""A real `text-generation-launcher` subprocess on a free port, for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 240
+# Small limits keep warmup (one prefill of max_batch_prefill_tokens) short on 2 cores.
+SMALL_LIMITS = ["--max-input-tokens", "256", "--max-total-tokens", "512",
+                "--max-batch-prefill-tokens", "512"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Launcher:
+    proc: subprocess.Popen[bytes]
+    port: int
+    uds_path: str
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def shard_socket(self) -> str:
+        return f"{self.uds_path}-0"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+
+def start_launcher(extra: list[str], name: str) -> Launcher:
+    """Start the launcher and wait until POST / answers (as upstream's tests do)."""
+    port = free_port()
+    uds = f"/tmp/tgi-router-tests-{name}-{os.getpid()}"
+    log_path = Path(tempfile.mkstemp(prefix=f"launcher-{name}-", suffix=".log")[1])
+    exe = str(Path(sys.executable).parent / "text-generation-launcher")
+    argv = [exe, "--port", str(port), "--shard-uds-path", uds, "--hostname", "127.0.0.1",
+            *SMALL_LIMITS, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    launcher = Launcher(proc, port, uds, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"launcher exited with {proc.returncode}:\n{launcher.log()[-4000:]}")
+        try:
+            if httpx.get(f"{launcher.url}/health", timeout=2).status_code == 200:
+                return launcher
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    launcher.stop()
+    raise RuntimeError(f"launcher not ready after {STARTUP_TIMEOUT_S}s:\n{launcher.log()[-4000:]}")

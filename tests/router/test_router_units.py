@@ -1,0 +1,85 @@
+"""Pure parts of the router: SSE framing, batching budget arithmetic, config and launcher flags."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from text_generation_router import sse
+from text_generation_router.config import RouterConfig, ServingLimits
+from text_generation_router.handshake import build_warmup_batch
+from text_generation_router.launcher import router_argv, shard_argv
+from text_generation_router.launcher_args import parse_args
+from text_generation_router.queue import Budget, count_admissible
+
+
+def test_sse_framing_is_compact_without_space() -> None:
+    assert sse.event({"a": 1, "b": [None, "é"]}) == 'data:{"a":1,"b":[null,"é"]}\n\n'.encode()
+    assert sse.event({"logprob": math.nan}) == b'data:{"logprob":null}\n\n'
+    assert sse.DONE == b"data:[DONE]\n\n"
+
+
+def test_padded_budget_counts_longest_prompt_times_batch() -> None:
+    budget = Budget(prefill_tokens=100, total_tokens=1000, max_size=None)
+    # 3 x 30 = 90 prefill tokens fit; a 4th makes 4 x 30 = 120 > 100.
+    assert count_admissible([(10, 5), (30, 5), (20, 5), (5, 5)], budget) == 3
+    # One long prompt raises every row to its length: 2 x 60 = 120 > 100.
+    assert count_admissible([(10, 5), (60, 5)], budget) == 1
+
+
+def test_padded_budget_total_includes_new_tokens_and_speculate() -> None:
+    budget = Budget(prefill_tokens=1000, total_tokens=100, max_size=None, speculate=2)
+    # 2 x 20 + (30 + 28) + 2 = 100 fits; a third adds 20 + 1 + 1 more rows.
+    assert count_admissible([(20, 30), (20, 28), (20, 1)], budget) == 2
+
+
+def test_budget_max_size_and_blocks() -> None:
+    assert count_admissible([(1, 1)] * 5, Budget(1000, 1000, max_size=2)) == 2
+    blocks = Budget(prefill_tokens=32, total_tokens=1000, max_size=None, requires_padding=False,
+                    block_size=16)
+    # 17 tokens round up to 2 blocks (32): the second prompt no longer fits.
+    assert count_admissible([(17, 1), (1, 1)], blocks) == 1
+
+
+def test_warmup_batch_splits_prefill_tokens() -> None:
+    batch = build_warmup_batch(max_input_tokens=300, max_prefill_tokens=512,
+                               max_total_tokens=400, max_batch_size=None)
+    assert [r.truncate for r in batch.requests] == [300, 212]
+    assert [r.stopping_parameters.max_new_tokens for r in batch.requests] == [100, 188]
+    assert batch.id == 0 and all(r.id == 0 for r in batch.requests)
+    assert batch.size == 2 and batch.max_tokens == 300
+
+
+def test_configs_reject_bad_limits_with_the_flag_to_change() -> None:
+    with pytest.raises(ValueError, match="max-input-tokens"):
+        RouterConfig(master_shard_uds_path="/tmp/x-0", tokenizer_name="t", max_input_tokens=10,
+                     max_total_tokens=10)
+    with pytest.raises(ValueError, match="max_batch_prefill_tokens"):
+        ServingLimits(max_input_tokens=1, max_total_tokens=2, max_batch_prefill_tokens=10,
+                      max_batch_total_tokens=5)
+
+
+def test_launcher_argv_follow_upstream_order() -> None:
+    args = parse_args(["--model-id", "m", "--shard-uds-path", "/tmp/s", "--max-input-tokens", "8",
+                       "--dtype", "bfloat16", "--layer-skip-mode", "shadow"])
+    argv = shard_argv(args)
+    assert argv[1:] == ["serve", "m", "--uds-path", "/tmp/s", "--logger-level", "INFO",
+                        "--json-output", "--dtype", "bfloat16", "--otlp-service-name",
+                        "text-generation-inference.server", "--max-input-tokens", "8",
+                        "--runner", "auto", "--layer-skip-mode", "shadow"]
+    r = router_argv(args, "/local/folder")
+    assert r[r.index("--master-shard-uds-path") + 1] == "/tmp/s-0"
+    assert r[r.index("--tokenizer-name") + 1] == "/local/folder"
+    assert r[r.index("--waiting-served-ratio") + 1] == "0.3"
+
+
+def test_launcher_refuses_unsupported_flags_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"^--speculate is not supported"):
+        parse_args(["--speculate", "2"])
+    with pytest.raises(ValueError, match="exactly one shard"):
+        parse_args(["--num-shard", "2"])
+    monkeypatch.setenv("MAX_BEST_OF", "3")
+    monkeypatch.setenv("HOSTNAME", "some-container-id")
+    args = parse_args([])
+    assert args.ns.max_best_of == 3 and args.ns.hostname == "0.0.0.0"
+    assert args.ns.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct" and args.ns.port == 3000
