@@ -34,7 +34,7 @@ class ShardProcess:
         self.uds_path = os.path.join(self.dir, "shard")
         self.log_path = os.path.join(self.dir, "shard.log")
         full_env = {**os.environ, "ATTENTION": "paged", "PREFIX_CACHING": "0", "OMP_NUM_THREADS": "2", **(env or {})}
-        self.log = open(self.log_path, "w")
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [str(SERVER_BIN), "serve", model, "--uds-path", self.uds_path, "--logger-level", "INFO", *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,

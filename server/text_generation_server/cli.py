@@ -11,10 +11,14 @@ import asyncio
 import json
 import sys
 from enum import Enum
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from loguru import logger
+
+if TYPE_CHECKING:
+    from .models.causal_lm import CausalLM
+    from .server import ServeConfig
 
 app = typer.Typer(add_completion=False, help="A TGI v3 shard with input-adaptive layer skipping.")
 
@@ -113,7 +117,8 @@ def serve(
 
 def _build(model_id: str, revision: str | None, sharded: bool, quantize: Quantization | None,
            speculate: int | None, dtype: Dtype | None, kv_cache_dtype: KVCacheDtype | None,
-           trust_remote_code: bool, uds_path: str, max_input_tokens: int | None, runner: str):  # type: ignore[no-untyped-def]
+           trust_remote_code: bool, uds_path: str, max_input_tokens: int | None,
+           runner: str) -> tuple[CausalLM, ServeConfig]:
     import torch
 
     from .models import get_model

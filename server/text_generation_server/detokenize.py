@@ -16,8 +16,8 @@ def decode_token(
     tokenizer: PreTrainedTokenizerBase, all_ids: list[int], prefix_offset: int, read_offset: int
 ) -> tuple[str, int, int]:
     """Text that the last token of `all_ids` adds, and the new (prefix, read) offsets."""
-    prefix_text = tokenizer.decode(all_ids[prefix_offset:read_offset], skip_special_tokens=False)
-    new_text = tokenizer.decode(all_ids[prefix_offset:], skip_special_tokens=False)
+    prefix_text = str(tokenizer.decode(all_ids[prefix_offset:read_offset], skip_special_tokens=False))
+    new_text = str(tokenizer.decode(all_ids[prefix_offset:], skip_special_tokens=False))
     if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
         return new_text[len(prefix_text):], read_offset, len(all_ids)
     return "", prefix_offset, read_offset

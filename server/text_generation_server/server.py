@@ -63,8 +63,9 @@ def generation_to_pb(g: Generation) -> generate_pb2.Generation:
         pb.prefill_tokens.CopyFrom(tokens_to_pb(g.prefill_tokens))
     if g.generated_text is not None:
         f = g.generated_text
+        reason = generate_pb2.FinishReason.Name(int(f.finish_reason))
         pb.generated_text.CopyFrom(generate_pb2.GeneratedText(
-            text=f.text, generated_tokens=f.generated_tokens, finish_reason=int(f.finish_reason), seed=f.seed))
+            text=f.text, generated_tokens=f.generated_tokens, finish_reason=reason, seed=f.seed))
     return pb
 
 
@@ -96,7 +97,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
         raise AssertionError("context.abort returns only by raising")
 
-    async def Info(self, request: generate_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> generate_pb2.InfoResponse:
+    async def Info(self, request: generate_pb2.InfoRequest,
+                   context: grpc.aio.ServicerContext) -> generate_pb2.InfoResponse:
         return generate_pb2.InfoResponse(
             requires_padding=True, dtype=self.config.dtype, device_type=self.model.runner.device.type,
             speculate=0, support_chunking=False, use_prefix_caching=False,
@@ -104,7 +106,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             runner=self.model.runner.name, quantize=self.config.quantize,
         )
 
-    async def Health(self, request: generate_pb2.HealthRequest, context: grpc.aio.ServicerContext) -> generate_pb2.HealthResponse:
+    async def Health(self, request: generate_pb2.HealthRequest,
+                     context: grpc.aio.ServicerContext) -> generate_pb2.HealthResponse:
         return generate_pb2.HealthResponse()
 
     async def ServiceDiscovery(self, request: generate_pb2.ServiceDiscoveryRequest,

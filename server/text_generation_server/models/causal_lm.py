@@ -102,7 +102,8 @@ class CausalLM:
         self, batch: CausalLMBatch, row: int, logits: torch.Tensor, token_id: int, logprob: float
     ) -> Generation:
         state = batch.requests[row]
-        prefill = self.prefill_tokens(state, logits[row]) if state.prefill_logprobs and not state.generated_ids else None
+        first_step = not state.generated_ids
+        prefill = self.prefill_tokens(state, logits[row]) if state.prefill_logprobs and first_step else None
         state.all_ids.append(token_id)
         state.generated_ids.append(token_id)
         text, state.prefix_offset, state.read_offset = decode_token(
@@ -115,7 +116,7 @@ class CausalLM:
             state.finished = True
             params = state.chooser.params
             finished = FinishedText(
-                self.tokenizer.decode(state.generated_ids, skip_special_tokens=True),
+                str(self.tokenizer.decode(state.generated_ids, skip_special_tokens=True)),
                 len(state.generated_ids), reason, params.seed if params.sampling else None)
         return Generation(state.id, tokens, prefill, top, finished)
 
@@ -126,10 +127,13 @@ class CausalLM:
         row_logprobs = logits[-n:].log_softmax(-1)  # [n, vocab], right-aligned real positions
         targets = torch.tensor(prompt_ids[1:], dtype=torch.long)
         values = row_logprobs[:-1].gather(1, targets[:, None]).squeeze(1).tolist() if n > 1 else []
-        texts = [self.tokenizer.decode([i], skip_special_tokens=False) for i in prompt_ids]
+        texts = [self.token_text(i) for i in prompt_ids]
         return TokenInfo(prompt_ids, [math.nan, *values], texts, [i in self.special_ids for i in prompt_ids])
 
     def top_tokens(self, state: RequestState, logits: torch.Tensor) -> TokenInfo:
         ids, values = top_n_tokens(logits.log_softmax(-1), state.top_n_tokens)
-        texts = [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+        texts = [self.token_text(i) for i in ids]
         return TokenInfo(ids, values, texts, [i in self.special_ids for i in ids])
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))

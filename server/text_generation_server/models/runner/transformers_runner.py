@@ -46,7 +46,11 @@ class TransformersRunner:
                 f"the transformers fallback runner cannot skip layers {sorted(skip_layers)}; "
                 f"use the fast runner (--runner fast) for layer skipping"
             )
-        past = [cache.layer(i) for i in range(self.num_layers)] if cache.length else []
+        past: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in range(self.num_layers if cache.length else 0):
+            layer = cache.layer(i)
+            assert layer is not None, f"layer {i} has no cache; the fallback runner never skips layers"
+            past.append(layer)
         dynamic = DynamicCache(ddp_cache_data=past, config=self.config) if past else DynamicCache(config=self.config)
         out = self.model(
             input_ids=input_ids,
