@@ -196,7 +196,7 @@ def router_argv(args: LauncherArgs, tokenizer_name: str) -> list[str]:
     return argv
 
 
-def stop_group(proc: subprocess.Popen[str], timeout_s: float) -> None:
+def stop_group(proc: subprocess.Popen[str] | subprocess.Popen[bytes], timeout_s: float) -> None:
     """SIGTERM the child's process group, SIGKILL after the graceful timeout."""
     if proc.poll() is not None:
         return
@@ -218,7 +218,7 @@ class Supervisor:
         self.json_output: bool = args.ns.json_output
         self.stopping = threading.Event()
         self.shard: subprocess.Popen[str] | None = None
-        self.router: subprocess.Popen[str] | None = None
+        self.router: subprocess.Popen[bytes] | None = None
         self.shard_log = ShardLog("shard-manager", self.json_output)
 
     def on_signal(self, signum: int, _: FrameType | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+
 from text_generation_router.pb import generate_pb2 as pb
 from text_generation_router.pb import generate_pb2_grpc as pb_grpc
 

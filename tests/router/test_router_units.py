@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from text_generation_router import sse
 from text_generation_router.config import RouterConfig, ServingLimits
 from text_generation_router.handshake import build_warmup_batch

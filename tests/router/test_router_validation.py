@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from text_generation_router.config import ServingLimits
 from text_generation_router.schemas import GenerateParameters, Grammar
 from text_generation_router.validation import (
