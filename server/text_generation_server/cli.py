@@ -18,6 +18,7 @@ from loguru import logger
 
 if TYPE_CHECKING:
     from .models.causal_lm import CausalLM
+    from .models.skip_planner import LayerSkipConfig
     from .server import ServeConfig
 
 app = typer.Typer(add_completion=False, help="A TGI v3 shard with input-adaptive layer skipping.")
@@ -99,12 +100,18 @@ def serve(
     otlp_service_name: str = "text-generation-inference.server",
     max_input_tokens: Optional[int] = None,  # noqa: UP045
     runner: str = typer.Option("auto", help="auto | fast | transformers (force the fallback)"),
+    layer_skip_mode: str = typer.Option("off", help="default layer-skip mode: off | shadow | lossy"),
+    layer_skip_policy: Optional[str] = typer.Option(None, help="layer-skip policy JSON file"),  # noqa: UP045
+    layer_skip_on_bad_policy: str = typer.Option("exit", help="exit | off: what a refused policy does"),
 ) -> None:
     """Serve MODEL_ID over gRPC on the unix socket {uds_path}-{rank}."""
+    from .models.skip_planner import LayerSkipConfig
+
     setup_logging(logger_level, json_output)
     try:
         model, config = _build(model_id, revision, sharded, quantize, speculate, dtype, kv_cache_dtype,
-                               trust_remote_code, uds_path, max_input_tokens, runner)
+                               trust_remote_code, uds_path, max_input_tokens, runner,
+                               LayerSkipConfig(layer_skip_mode, layer_skip_policy, layer_skip_on_bad_policy))
     except ValueError as err:
         logger.error(str(err))
         raise typer.Exit(1) from err
@@ -118,7 +125,7 @@ def serve(
 def _build(model_id: str, revision: str | None, sharded: bool, quantize: Quantization | None,
            speculate: int | None, dtype: Dtype | None, kv_cache_dtype: KVCacheDtype | None,
            trust_remote_code: bool, uds_path: str, max_input_tokens: int | None,
-           runner: str) -> tuple[CausalLM, ServeConfig]:
+           runner: str, layer_skip: LayerSkipConfig) -> tuple[CausalLM, ServeConfig]:
     import torch
 
     from .models import get_model
@@ -134,7 +141,7 @@ def _build(model_id: str, revision: str | None, sharded: bool, quantize: Quantiz
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype.value} is not supported on this backend")
     load = LoadConfig(quantize=quantize.value if quantize else None,
                       dtype=dtype.value if dtype else "float32", trust_remote_code=trust_remote_code)
-    model = get_model(model_id, revision, load, runner)
+    model = get_model(model_id, revision, load, runner, layer_skip)
     limit = max_input_tokens or model.max_position_embeddings - 1
     torch.set_grad_enabled(False)
     config = ServeConfig(uds_path=uds_path, max_input_tokens=limit, dtype=str(load.torch_dtype),

@@ -61,6 +61,12 @@ def generation_to_pb(g: Generation) -> generate_pb2.Generation:
                                  top_tokens=[tokens_to_pb(t) for t in g.top_tokens])
     if g.prefill_tokens is not None:
         pb.prefill_tokens.CopyFrom(tokens_to_pb(g.prefill_tokens))
+    if g.layer_skip is not None:
+        r = g.layer_skip
+        stats = {**{k: float(v) for k, v in r.scores.items()}, "decision_ms": r.decision_ms}
+        pb.layer_skip.CopyFrom(generate_pb2.LayerSkipReport(
+            mode=r.mode, skipped_layers=r.skipped_layers, rule=r.rule, max_score=float(r.scores.get("max_score", 0.0)),
+            mean_score=float(r.scores.get("mean_score", 0.0)), stats=stats))
     if g.generated_text is not None:
         f = g.generated_text
         reason = generate_pb2.FinishReason.Name(int(f.finish_reason))
@@ -99,11 +105,14 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def Info(self, request: generate_pb2.InfoRequest,
                    context: grpc.aio.ServicerContext) -> generate_pb2.InfoResponse:
+        planner = self.model.planner
         return generate_pb2.InfoResponse(
             requires_padding=True, dtype=self.config.dtype, device_type=self.model.runner.device.type,
             speculate=0, support_chunking=False, use_prefix_caching=False,
             attention_impl=self.env.attention, block_size=self.env.block_size,
             runner=self.model.runner.name, quantize=self.config.quantize,
+            layer_skip_mode=planner.mode, layer_skip_policy=planner.config.policy_path or "",
+            layer_skip_policy_state=planner.policy_state, num_layers=self.model.runner.num_layers,
         )
 
     async def Health(self, request: generate_pb2.HealthRequest,
@@ -145,7 +154,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         max_input = request.max_input_tokens if request.HasField("max_input_tokens") else None
         self.max_input_tokens = max(self.max_input_tokens, max_input or 0)
         batch = self._from_pb(request.batch)
-        padded_tokens = batch.pending_ids.numel()
+        padded_tokens = sum(g.num_rows * g.width for g in batch.groups)
         self.model.generate_token(batch)  # a dry run; the result is not cached
         max_total = request.max_total_tokens if request.HasField("max_total_tokens") else padded_tokens
         max_input = max_input if max_input is not None else max_total - 1
@@ -154,8 +163,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         return generate_pb2.WarmupResponse(max_input_tokens=max_input, max_total_tokens=max_total)
 
     def _from_pb(self, pb: generate_pb2.Batch) -> CausalLMBatch:
-        return CausalLMBatch.from_pb(pb, self.model.tokenizer, self.model.runner, self.model.eos_token_ids,
-                                     self.max_input_tokens)
+        return CausalLMBatch.from_pb(pb, self.model.tokenizer, self.model.runner.num_layers,
+                                     self.model.eos_token_ids, self.max_input_tokens)
 
     async def Prefill(self, request: generate_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> generate_pb2.PrefillResponse:

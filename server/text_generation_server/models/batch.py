@@ -1,11 +1,7 @@
-"""CausalLMBatch: the shard-side state of one cached batch (left-padded, dense KV cache).
+"""CausalLMBatch: the shard-side state of one cached batch.
 
-Tensor layout, for `rows` requests:
-- `cache`: the KV cache, `cache.length` columns, each row's tokens right-aligned;
-- `attention_mask`: `[rows, cache.length]`, 1 for a real token, 0 for left padding;
-- `pending_ids` / `pending_mask`: `[rows, new]` the tokens to run next (the prompts at
-  prefill, the last chosen token after), with their mask (padding only at prefill).
-
+The requests keep the batch order the router sees (`to_pb`, FilterBatch); their tensor rows
+live in plan groups (see plan_groups.py), one left-padded state and KV cache per skip set.
 Only this file and the servicer see protobuf types (`from_pb`, `to_pb`).
 """
 
@@ -13,13 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
+from ..layerskip.plan import MODES, SkipPlan
 from ..pb import generate_pb2
 from ..sampling import NextTokenChooser, SamplingParams
 from ..stopping import StoppingCriteria
-from .runner.base import Runner
+from .plan_groups import PlanGroup
 from .runner.kv_cache import KVCache
 
 
@@ -34,7 +30,9 @@ class RequestState:
     stopping: StoppingCriteria
     top_n_tokens: int = 0
     prefill_logprobs: bool = False
-    layer_skip_mode: str = ""
+    layer_skip_mode: str = ""  # the request's override; "" = the server's mode
+    plan: SkipPlan | None = None  # decided once, at prefill
+    decision_ms: float = 0.0
     prefix_offset: int = 0
     read_offset: int = 0
     finished: bool = False
@@ -89,31 +87,34 @@ def _tokenize(request: generate_pb2.Request, tokenizer: PreTrainedTokenizerBase,
 
 @dataclass
 class CausalLMBatch:
-    """One cached batch (see module docstring)."""
+    """One cached batch: its requests in batch order, and their rows grouped by skip plan."""
 
     batch_id: int
     requests: list[RequestState]
-    cache: KVCache
-    attention_mask: torch.Tensor  # [rows, cache.length]
-    pending_ids: torch.Tensor  # [rows, new]
-    pending_mask: torch.Tensor  # [rows, new]
-    max_tokens: int
+    groups: list[PlanGroup]
+    num_layers: int
+    pad_id: int
+    max_tokens: int = 0
 
     @classmethod
     def from_pb(
         cls,
         pb: generate_pb2.Batch,
         tokenizer: PreTrainedTokenizerBase,
-        runner: Runner,
+        num_layers: int,
         eos_token_ids: frozenset[int],
         max_input_tokens: int,
     ) -> CausalLMBatch:
+        """A new batch with every row in one group; `regroup` splits it by plan before prefill."""
         if not pb.requests:
             raise ValueError(f"batch {pb.id} has no requests")
         requests: list[RequestState] = []
         for r in pb.requests:
             ids = _tokenize(r, tokenizer, max_input_tokens)
             stop = r.stopping_parameters
+            if r.layer_skip_mode and r.layer_skip_mode not in MODES:
+                raise ValueError(f"request {r.id}: layer_skip mode {r.layer_skip_mode!r} is not one of "
+                                 f"{', '.join(MODES)}")
             requests.append(RequestState(
                 id=r.id, all_ids=ids, input_length=len(ids),
                 chooser=NextTokenChooser(_params_from_pb(r)),
@@ -123,20 +124,23 @@ class CausalLMBatch:
                 layer_skip_mode=r.layer_skip_mode,
                 prefix_offset=max(len(ids) - 5, 0), read_offset=len(ids),
             ))
-        width = max(s.input_length for s in requests)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        pending_ids = torch.full((len(requests), width), pad, dtype=torch.long)
-        pending_mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for row, s in enumerate(requests):
-            pending_ids[row, width - s.input_length:] = torch.tensor(s.all_ids)
-            pending_mask[row, width - s.input_length:] = 1
-        max_new = sum(s.stopping.max_new_tokens for s in requests)
-        return cls(
-            batch_id=pb.id, requests=requests, cache=runner.new_cache(len(requests)),
-            attention_mask=torch.zeros((len(requests), 0), dtype=torch.long),
-            pending_ids=pending_ids, pending_mask=pending_mask,
-            max_tokens=len(requests) * width + max_new,
-        )
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        batch = cls(pb.id, requests, [], num_layers, pad_id)
+        batch.regroup({s.id: frozenset() for s in requests})
+        return batch
+
+    def regroup(self, skips: dict[int, frozenset[int]]) -> None:
+        """Before prefill: one group per distinct skip set, rows in batch order."""
+        assert not self.prefilled, "groups are formed once, before prefill"
+        members: dict[frozenset[int], list[RequestState]] = {}
+        for state in self.requests:
+            members.setdefault(skips[state.id], []).append(state)
+        self.groups = [
+            PlanGroup.from_prompts(skip, [s.id for s in states], [s.all_ids[: s.input_length] for s in states],
+                                   KVCache(num_rows=len(states), num_layers=self.num_layers), self.pad_id)
+            for skip, states in members.items()
+        ]
+        self.max_tokens = self._estimate_max_tokens()
 
     def to_pb(self) -> generate_pb2.CachedBatch:
         return generate_pb2.CachedBatch(
@@ -146,54 +150,48 @@ class CausalLMBatch:
 
     @property
     def prefilled(self) -> bool:
-        return self.cache.length > 0
+        return bool(self.groups) and all(g.cache.length > 0 for g in self.groups)
 
     def filter(self, request_ids: list[int]) -> CausalLMBatch:
-        """Keep exactly `request_ids`, in that order; trims columns that became all padding."""
+        """Keep exactly `request_ids`, in that order; groups left empty are dropped."""
         if not request_ids:
             raise ValueError(f"FilterBatch of batch {self.batch_id} with an empty request list")
-        position = {s.id: row for row, s in enumerate(self.requests)}
-        missing = [rid for rid in request_ids if rid not in position]
+        by_id = {s.id: s for s in self.requests}
+        missing = [rid for rid in request_ids if rid not in by_id]
         if missing:
             raise ValueError(f"request ids {missing} are not in batch {self.batch_id}")
-        rows = [position[rid] for rid in request_ids]
-        if rows == list(range(len(self.requests))):
-            return self
-        index = torch.tensor(rows, dtype=torch.long)
-        mask = self.attention_mask.index_select(0, index)
-        new_length = int(mask.sum(1).max()) if self.prefilled else 0
-        self.cache.filter(rows, new_length)
-        self.attention_mask = mask[:, mask.shape[1] - new_length:]
-        self.pending_ids = self.pending_ids.index_select(0, index)
-        self.pending_mask = self.pending_mask.index_select(0, index)
-        self.requests = [self.requests[row] for row in rows]
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"FilterBatch of batch {self.batch_id} lists a request twice: {request_ids}")
+        groups = []
+        for group in self.groups:
+            members = set(group.request_ids)
+            kept = [rid for rid in request_ids if rid in members]
+            if kept:
+                group.filter(kept)
+                groups.append(group)
+        self.groups = groups
+        self.requests = [by_id[rid] for rid in request_ids]
         self.max_tokens = self._estimate_max_tokens()
         return self
 
     def _estimate_max_tokens(self) -> int:
         remaining = sum(s.stopping.max_new_tokens - s.stopping.num_generated for s in self.requests)
-        return len(self.requests) * self.attention_mask.shape[1] + remaining
+        return sum(g.num_rows * g.width for g in self.groups) + remaining
 
     @classmethod
     def concatenate(cls, batches: list[CausalLMBatch]) -> CausalLMBatch:
-        """Stack prefilled batches (left-padding to the longest); keeps the first batch's id."""
+        """Stack prefilled batches, merging groups of the same skip set; keeps the first id."""
         assert all(b.prefilled for b in batches), "only prefilled batches can be concatenated"
-        length = max(b.cache.length for b in batches)
-        masks = [torch.nn.functional.pad(b.attention_mask, (length - b.cache.length, 0)) for b in batches]
-        out = cls(
-            batch_id=batches[0].batch_id,
-            requests=[s for b in batches for s in b.requests],
-            cache=KVCache.concatenate([b.cache for b in batches]),
-            attention_mask=torch.cat(masks, 0),
-            pending_ids=torch.cat([b.pending_ids for b in batches], 0),
-            pending_mask=torch.cat([b.pending_mask for b in batches], 0),
-            max_tokens=0,
-        )
+        by_skip: dict[frozenset[int], list[PlanGroup]] = {}
+        for b in batches:
+            for g in b.groups:
+                by_skip.setdefault(g.skip, []).append(g)
+        groups = [PlanGroup.concatenate(gs) if len(gs) > 1 else gs[0] for gs in by_skip.values()]
+        first = batches[0]
+        out = cls(first.batch_id, [s for b in batches for s in b.requests], groups, first.num_layers, first.pad_id)
         out.max_tokens = out._estimate_max_tokens()
         return out
 
-    def advance(self, next_ids: list[int]) -> None:
-        """After a forward: the pending tokens are in the cache; the chosen ones are next."""
-        self.attention_mask = torch.cat([self.attention_mask, self.pending_mask], 1)
-        self.pending_ids = torch.tensor(next_ids, dtype=torch.long).unsqueeze(1)
-        self.pending_mask = torch.ones((len(next_ids), 1), dtype=torch.long)
+    def row_of(self) -> dict[int, tuple[PlanGroup, int]]:
+        """Request id -> (its group, its row in that group)."""
+        return {rid: (g, row) for g in self.groups for row, rid in enumerate(g.request_ids)}

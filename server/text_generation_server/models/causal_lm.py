@@ -1,8 +1,8 @@
 """CausalLM: one generation step over a cached batch.
 
-`generate_token` reads like the request path: forward -> choose tokens -> stop checks ->
-build generations -> advance the batch. Generations are plain dataclasses; the servicer turns
-them into protobuf.
+`generate_token` reads like the request path: plan (new requests) -> forward (one per plan
+group) -> choose tokens -> stop checks and generations -> advance the batch. Generations
+are plain dataclasses; the servicer turns them into protobuf.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ..sampling import top_n_tokens
 from ..stopping import FinishReason
 from .batch import CausalLMBatch, RequestState
 from .runner.base import Runner
+from .skip_planner import SkipPlanner
 
 
 @dataclass
@@ -48,6 +49,25 @@ class Generation:
     prefill_tokens: TokenInfo | None = None
     top_tokens: list[TokenInfo] = field(default_factory=list)
     generated_text: FinishedText | None = None
+    layer_skip: SkipReport | None = None
+
+
+@dataclass
+class SkipReport:
+    """A request's plan as reported on its first generation (when its mode is not off)."""
+
+    mode: str
+    skipped_layers: list[int]
+    rule: str
+    scores: dict[str, float]
+    decision_ms: float
+
+
+def skip_report(state: RequestState) -> SkipReport | None:
+    plan = state.plan
+    if plan is None or plan.mode == "off":
+        return None
+    return SkipReport(plan.mode, sorted(plan.skipped), plan.rule, dict(plan.scores), state.decision_ms)
 
 
 @dataclass
@@ -56,60 +76,86 @@ class StepTimings:
     decode_ns: int
 
 
+Choice = tuple[int, float]  # (token id, logprob)
+
+
 class CausalLM:
-    """A loaded model with its tokenizer and runner, able to run batches."""
+    """A loaded model with its tokenizer, runner and skip planner, able to run batches."""
 
     def __init__(self, runner: Runner, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int],
-                 max_position_embeddings: int = 4096) -> None:
+                 planner: SkipPlanner, max_position_embeddings: int = 4096) -> None:
         self.runner = runner
-        self.max_position_embeddings = max_position_embeddings
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.planner = planner
+        self.max_position_embeddings = max_position_embeddings
         self.special_ids = frozenset(tokenizer.all_special_ids)
 
     def generate_token(self, batch: CausalLMBatch) -> tuple[list[Generation], CausalLMBatch | None, StepTimings]:
         """Run one step; returns the generations, the batch to cache (None if all stopped) and timings."""
         start = time.perf_counter_ns()
-        needs_prefill_logprobs = not batch.prefilled and any(s.prefill_logprobs for s in batch.requests)
-        logits = self.forward(batch, last_only=not needs_prefill_logprobs)  # [rows, 1|new, vocab]
+        if not batch.prefilled:
+            self.plan(batch)
+        logits = self.forward(batch)  # request id -> [1 | new, vocab]
         forward_done = time.perf_counter_ns()
-        next_ids, logprobs = self.choose_tokens(batch, logits[:, -1])
-        generations = [
-            self.request_generation(batch, row, logits, next_ids[row], logprobs[row])
-            for row, state in enumerate(batch.requests) if not state.finished
-        ]
-        batch.advance(next_ids)
+        chosen = self.choose_tokens(batch, logits)
+        generations = [self.request_generation(state, logits[state.id], *chosen[state.id])
+                       for state in batch.requests if not state.finished]
+        for group in batch.groups:
+            group.advance([chosen[rid][0] for rid in group.request_ids])
         alive = any(not s.finished for s in batch.requests)
         timings = StepTimings(forward_done - start, time.perf_counter_ns() - forward_done)
         return generations, (batch if alive else None), timings
 
-    def forward(self, batch: CausalLMBatch, last_only: bool = True) -> torch.Tensor:
-        mask = torch.cat([batch.attention_mask, batch.pending_mask], 1)  # [rows, past + new]
-        new = batch.pending_ids.shape[1]
-        position_ids = (mask.cumsum(1) - 1).clamp(min=0)[:, -new:]
-        return self.runner.forward(batch.pending_ids, position_ids, mask, batch.cache, last_only=last_only)
+    def plan(self, batch: CausalLMBatch) -> None:
+        """Decide each request's SkipPlan and group the batch's rows by the layers they skip."""
+        for state in batch.requests:
+            state.plan = self.planner.plan(state)
+            state.plan.check_layers(self.runner.num_layers)
+        batch.regroup({s.id: s.plan.applied if s.plan else frozenset() for s in batch.requests})
 
-    def choose_tokens(self, batch: CausalLMBatch, logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """One token per row from `[rows, vocab]` float32 logits."""
-        if all(s.chooser.params.is_plain_greedy for s in batch.requests):
-            logprobs = logits.log_softmax(-1)
-            ids = logprobs.argmax(-1)
-            return ids.tolist(), logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
-        chosen = [s.chooser(logits[row], torch.tensor(s.all_ids)) for row, s in enumerate(batch.requests)]
-        return [c[0] for c in chosen], [c[1] for c in chosen]
+    def forward(self, batch: CausalLMBatch) -> dict[int, torch.Tensor]:
+        """One forward per plan group, each bypassing its group's layers."""
+        logits: dict[int, torch.Tensor] = {}
+        states = {s.id: s for s in batch.requests}
+        for group in batch.groups:
+            prefill = group.cache.length == 0
+            all_positions = prefill and any(states[rid].prefill_logprobs for rid in group.request_ids)
+            input_ids, position_ids, mask = group.forward_inputs()
+            out = self.runner.forward(input_ids, position_ids, mask, group.cache, last_only=not all_positions,
+                                      skip_layers=group.skip)  # [rows, 1 | new, vocab]
+            logits.update(zip(group.request_ids, out, strict=True))
+        return logits
 
-    def request_generation(
-        self, batch: CausalLMBatch, row: int, logits: torch.Tensor, token_id: int, logprob: float
-    ) -> Generation:
-        state = batch.requests[row]
+    def choose_tokens(self, batch: CausalLMBatch, logits: dict[int, torch.Tensor]) -> dict[int, Choice]:
+        """One token per request from the logits of its last position."""
+        choices: dict[int, Choice] = {}
+        by_id = {s.id: s for s in batch.requests}
+        for group in batch.groups:
+            states = [by_id[rid] for rid in group.request_ids]
+            if all(s.chooser.params.is_plain_greedy for s in states):
+                last = torch.stack([logits[rid][-1] for rid in group.request_ids])  # [rows, vocab]
+                logprobs = last.log_softmax(-1)
+                ids = logprobs.argmax(-1)
+                values = logprobs.gather(1, ids[:, None]).squeeze(1)
+                choices.update(zip(group.request_ids, zip(ids.tolist(), values.tolist(), strict=True), strict=True))
+                continue
+            for s in states:
+                choices[s.id] = s.chooser(logits[s.id][-1], torch.tensor(s.all_ids))
+        return choices
+
+    def request_generation(self, state: RequestState, logits: torch.Tensor, token_id: int,
+                           logprob: float) -> Generation:
+        """Record the chosen token, detokenize it, check stopping. `logits`: [1 | new, vocab]."""
         first_step = not state.generated_ids
-        prefill = self.prefill_tokens(state, logits[row]) if state.prefill_logprobs and first_step else None
+        prefill = self.prefill_tokens(state, logits) if state.prefill_logprobs and first_step else None
+        report = skip_report(state) if first_step else None
         state.all_ids.append(token_id)
         state.generated_ids.append(token_id)
         text, state.prefix_offset, state.read_offset = decode_token(
             self.tokenizer, state.all_ids, state.prefix_offset, state.read_offset)
         tokens = TokenInfo([token_id], [logprob], [text], [token_id in self.special_ids])
-        top = [self.top_tokens(state, logits[row, -1])] if state.top_n_tokens else []
+        top = [self.top_tokens(state, logits[-1])] if state.top_n_tokens else []
         reason = state.stopping(token_id, text)
         finished = None
         if reason is not None:
@@ -118,7 +164,7 @@ class CausalLM:
             finished = FinishedText(
                 str(self.tokenizer.decode(state.generated_ids, skip_special_tokens=True)),
                 len(state.generated_ids), reason, params.seed if params.sampling else None)
-        return Generation(state.id, tokens, prefill, top, finished)
+        return Generation(state.id, tokens, prefill, top, finished, report)
 
     def prefill_tokens(self, state: RequestState, logits: torch.Tensor) -> TokenInfo:
         """Logprob of each prompt token given the ones before it (the first is NaN)."""

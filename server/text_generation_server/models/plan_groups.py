@@ -1,0 +1,100 @@
+"""Plan groups: the rows of a batch that bypass the same decoder layers.
+
+Design note: requests whose plans apply the same skip set share one left-padded tensor
+state and one KV cache, so one forward serves them all and a skipped layer allocates no
+cache for the group. Groups of one batch run one after another (a layer runs only for the
+groups that need it). Few distinct plans keep batching efficient; `off` and `shadow`
+requests always share the group with the empty skip set.
+
+Tensor layout of a group with `rows` rows:
+- `cache`: the KV cache, `cache.length` columns, each row's tokens right-aligned;
+- `attention_mask`: `[rows, cache.length]`, 1 for a real token, 0 for left padding;
+- `pending_ids` / `pending_mask`: `[rows, new]`, the tokens to run next (the prompts at
+  prefill, the last chosen token after), with their mask (padding only at prefill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .runner.kv_cache import KVCache
+
+
+@dataclass
+class PlanGroup:
+    """Rows sharing one skip set, with their own tensors and KV cache (see module docstring)."""
+
+    skip: frozenset[int]
+    request_ids: list[int]  # row order of the tensors below
+    cache: KVCache
+    attention_mask: torch.Tensor  # [rows, cache.length]
+    pending_ids: torch.Tensor  # [rows, new]
+    pending_mask: torch.Tensor  # [rows, new]
+
+    @classmethod
+    def from_prompts(cls, skip: frozenset[int], request_ids: list[int], prompts: list[list[int]],
+                     cache: KVCache, pad_id: int) -> PlanGroup:
+        """A group before prefill: prompts left-padded to the longest."""
+        width = max(len(p) for p in prompts)
+        pending_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        pending_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            pending_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            pending_mask[row, width - len(prompt):] = 1
+        empty = torch.zeros((len(prompts), 0), dtype=torch.long)
+        return cls(skip, request_ids, cache, empty, pending_ids, pending_mask)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def width(self) -> int:
+        """Columns in the cache plus pending (the padded length a forward sees)."""
+        return self.attention_mask.shape[1] + self.pending_ids.shape[1]
+
+    def filter(self, keep_ids: list[int]) -> None:
+        """Keep the rows of `keep_ids` (in that order); trims columns that became all padding."""
+        position = {rid: row for row, rid in enumerate(self.request_ids)}
+        rows = [position[rid] for rid in keep_ids]
+        if rows == list(range(self.num_rows)):
+            return
+        index = torch.tensor(rows, dtype=torch.long)
+        mask = self.attention_mask.index_select(0, index)
+        new_length = int(mask.sum(1).max()) if self.cache.length else 0
+        self.cache.filter(rows, new_length)
+        self.attention_mask = mask[:, mask.shape[1] - new_length:]
+        self.pending_ids = self.pending_ids.index_select(0, index)
+        self.pending_mask = self.pending_mask.index_select(0, index)
+        self.request_ids = list(keep_ids)
+
+    @classmethod
+    def concatenate(cls, groups: list[PlanGroup]) -> PlanGroup:
+        """Stack prefilled groups of one skip set, left-padding to the longest."""
+        assert len({g.skip for g in groups}) == 1, "only groups with the same skip set concatenate"
+        assert all(g.cache.length for g in groups), "only prefilled groups can be concatenated"
+        length = max(g.cache.length for g in groups)
+        masks = [torch.nn.functional.pad(g.attention_mask, (length - g.cache.length, 0)) for g in groups]
+        return cls(
+            skip=groups[0].skip,
+            request_ids=[rid for g in groups for rid in g.request_ids],
+            cache=KVCache.concatenate([g.cache for g in groups]),
+            attention_mask=torch.cat(masks, 0),
+            pending_ids=torch.cat([g.pending_ids for g in groups], 0),
+            pending_mask=torch.cat([g.pending_mask for g in groups], 0),
+        )
+
+    def forward_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, position_ids, attention_mask over cache + pending) for the next forward."""
+        mask = torch.cat([self.attention_mask, self.pending_mask], 1)  # [rows, past + new]
+        new = self.pending_ids.shape[1]
+        position_ids = (mask.cumsum(1) - 1).clamp(min=0)[:, -new:]
+        return self.pending_ids, position_ids, mask
+
+    def advance(self, next_ids: list[int]) -> None:
+        """After a forward: the pending tokens are in the cache; the chosen ones are next."""
+        self.attention_mask = torch.cat([self.attention_mask, self.pending_mask], 1)
+        self.pending_ids = torch.tensor(next_ids, dtype=torch.long).unsqueeze(1)
+        self.pending_mask = torch.ones((len(next_ids), 1), dtype=torch.long)

@@ -1,0 +1,87 @@
+"""The plan stage of a step: detector -> decider for each new request, once, at prefill.
+
+It wraps the layerskip library's `Scheduler` (the same object users embed) with the server's
+configuration: the default mode, the policy file, and what to do when the policy is refused.
+A refused policy never leaves skipping half-on: the shard either exits (the default) or, with
+`--layer-skip-on-bad-policy off`, serves every request with skipping off and says so in its
+logs and in Info (`layer_skip_policy_state = "refused"`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from loguru import logger
+from torch import nn
+
+from ..layerskip import Scheduler, SkipPlan
+from ..layerskip.plan import MODES
+from .batch import RequestState
+
+# Modes this shard can run today; "verified" (lossless self-speculation) is refused until built.
+SERVED_MODES = ("off", "shadow", "lossy")
+BAD_POLICY_ACTIONS = ("exit", "off")
+
+
+@dataclass(frozen=True)
+class LayerSkipConfig:
+    """Server-wide layer-skip settings.
+
+    Attributes:
+        mode: the default mode of requests that do not override it.
+        policy_path: a policy JSON file; without one the decider never skips a layer.
+        on_bad_policy: "exit" refuses to start with a bad policy; "off" serves with skipping off.
+    """
+
+    mode: str = "off"
+    policy_path: str | None = None
+    on_bad_policy: str = "exit"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--layer-skip-mode {self.mode} is not one of {', '.join(MODES)}")
+        if self.mode not in SERVED_MODES:
+            raise ValueError(f"--layer-skip-mode {self.mode} is not available in this build; "
+                             f"use one of {', '.join(SERVED_MODES)}")
+        if self.on_bad_policy not in BAD_POLICY_ACTIONS:
+            raise ValueError(f"--layer-skip-on-bad-policy {self.on_bad_policy} is not one of "
+                             f"{', '.join(BAD_POLICY_ACTIONS)}")
+
+
+class SkipPlanner:
+    """Decides each new request's SkipPlan (see module docstring)."""
+
+    def __init__(self, model: nn.Module, config: LayerSkipConfig) -> None:
+        self.config = config
+        self.mode = config.mode
+        self.policy_state = "none" if config.policy_path is None else "loaded"
+        try:
+            self.scheduler = Scheduler.from_model(model, config.policy_path, mode=config.mode)
+        except ValueError as err:
+            if config.on_bad_policy == "exit":
+                raise
+            logger.error(f"{err}. Serving with layer skipping OFF for every request "
+                         f"(--layer-skip-on-bad-policy off)")
+            self.policy_state = "refused"
+            self.mode = "off"
+            self.scheduler = Scheduler.from_model(model, None, mode="off")
+        if config.policy_path is not None and self.policy_state == "loaded":
+            logger.info(f"Layer-skip policy {config.policy_path} aligned to the loaded model; mode {self.mode}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.scheduler.num_layers
+
+    def plan(self, state: RequestState) -> SkipPlan:
+        """The request's plan; also records how long the decision took."""
+        mode = state.layer_skip_mode or self.mode
+        if mode not in SERVED_MODES:
+            raise ValueError(f"request {state.id}: layer_skip mode {mode!r} is not available in this build; "
+                             f"use one of {', '.join(SERVED_MODES)}")
+        if mode == "off" or self.policy_state == "refused":
+            return SkipPlan.off()
+        start = time.perf_counter()
+        plan = self.scheduler.plan(state.all_ids[: state.input_length], mode)
+        state.decision_ms = (time.perf_counter() - start) * 1000
+        return plan
