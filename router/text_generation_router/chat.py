@@ -183,7 +183,7 @@ async def _chat_events(
 
 
 def _chat_stream(state: AppState, req: ChatRequest, p: GenerateParameters, prompt: str) -> StreamingResponse:
-    return StreamingResponse(_chat_events(state, req, p, prompt), media_type="text/event-stream",
+    return StreamingResponse(sse.with_keep_alive(_chat_events(state, req, p, prompt)), media_type="text/event-stream",
                              headers=stream_headers(len(prompt)))
 
 
@@ -217,7 +217,7 @@ async def completion(state: AppState, req: CompletionRequest) -> Response:
     try:
         prompts, p = completion_parameters(req, state)
         if req.stream:
-            return StreamingResponse(_completion_events(state, prompts, p),
+            return StreamingResponse(sse.with_keep_alive(_completion_events(state, prompts, p)),
                                      media_type="text/event-stream",
                                      headers=stream_headers(sum(len(x) for x in prompts)))
         async with state.infer.slot():

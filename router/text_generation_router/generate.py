@@ -111,7 +111,7 @@ async def _stream_events(
 def stream_response(state: AppState, req: GenerateRequest, default_full_text: bool) -> StreamingResponse:
     """SSE of StreamResponse events; always 200, errors arrive as events (no [DONE])."""
     return StreamingResponse(
-        _stream_events(state, req, default_full_text),
+        sse.with_keep_alive(_stream_events(state, req, default_full_text)),
         media_type="text/event-stream",
         headers=stream_headers(len(req.inputs)),
     )

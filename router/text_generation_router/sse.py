@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
 KEEP_ALIVE = b":\n\n"
+KEEP_ALIVE_S = 15.0
 DONE = b"data:[DONE]\n\n"
 
 
@@ -38,3 +42,38 @@ class NanSafeJSONResponse(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return dumps(content).encode()
+
+
+async def with_keep_alive(
+    events: AsyncIterator[bytes], interval_s: float = KEEP_ALIVE_S
+) -> AsyncIterator[bytes]:
+    """Pass events through, sending a `:` comment whenever none came for interval_s.
+
+    The inner iterator is advanced in its own task so a slow token does not block the
+    comment; when the client leaves, that task is cancelled, which runs the inner
+    generator's cleanup (the request is then dropped at the batcher's next step).
+    """
+    iterator = aiter(events)
+    pending: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(iterator))
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
+        close = getattr(iterator, "aclose", None)
+        if close is not None:
+            await close()

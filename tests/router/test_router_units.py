@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import pytest
 
 from text_generation_router import sse
 from text_generation_router.config import RouterConfig, ServingLimits
+from text_generation_router.events import GeneratedText, LayerSkip, Token
 from text_generation_router.handshake import build_warmup_batch
+from text_generation_router.infer import Generation, Timing
 from text_generation_router.launcher import router_argv, shard_argv
 from text_generation_router.launcher_args import parse_args
 from text_generation_router.queue import Budget, count_admissible
+from text_generation_router.responses import generate_headers, generate_json
+from text_generation_router.schemas import GenerateParameters
+from text_generation_router.validation import build_valid_request
 
 
 def test_sse_framing_is_compact_without_space() -> None:
@@ -84,3 +91,49 @@ def test_launcher_refuses_unsupported_flags_by_name(monkeypatch: pytest.MonkeyPa
     args = parse_args([])
     assert args.ns.max_best_of == 3 and args.ns.hostname == "0.0.0.0"
     assert args.ns.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct" and args.ns.port == 3000
+
+
+def test_keep_alive_comments_and_cleanup_on_disconnect() -> None:
+    cleaned: list[bool] = []
+
+    async def slow() -> AsyncIterator[bytes]:
+        try:
+            yield b"data:1\n\n"
+            await asyncio.sleep(0.35)
+            yield b"data:2\n\n"
+            await asyncio.sleep(10)
+            yield b"data:3\n\n"
+        finally:
+            cleaned.append(True)
+
+    async def run() -> list[bytes]:
+        out: list[bytes] = []
+        stream = sse.with_keep_alive(slow(), interval_s=0.1)
+        assert isinstance(stream, AsyncGenerator)
+        async for item in stream:
+            out.append(item)
+            if item == b"data:2\n\n":
+                break  # the client leaves while the producer waits
+        await stream.aclose()
+        return out
+
+    out = asyncio.run(run())
+    assert out[0] == b"data:1\n\n" and out[-1] == b"data:2\n\n"
+    assert sse.KEEP_ALIVE in out[1:-1]
+    assert cleaned == [True]
+
+
+def test_layer_skip_report_in_details_and_headers() -> None:
+    skip = LayerSkip(mode="shadow", skipped_layers=[3, 7], rule="low-variance", max_score=0.5,
+                     mean_score=0.25, stats={"variance": 0.1})
+    request = build_valid_request("hi", GenerateParameters(max_new_tokens=1), (8, 1, 1), ("", 0), True)
+    g = Generation(request=request, generated=GeneratedText("!", 1, "length", None),
+                   tokens=[Token(0, "!", -0.5, False)], layer_skip=skip)
+    body = generate_json(g, details=True, return_full_text=False, others=[])
+    assert body["details"]["layer_skip"] == {
+        "mode": "shadow", "skipped_layers": [3, 7], "rule": "low-variance", "max_score": 0.5,
+        "mean_score": 0.25, "stats": {"variance": 0.1},
+    }
+    assert "layer_skip" not in generate_json(g, details=False, return_full_text=False, others=[])
+    headers = generate_headers(g, Timing(), 2)
+    assert headers["x-layer-skip-mode"] == "shadow" and headers["x-layers-skipped"] == "2"
