@@ -239,6 +239,7 @@ def test_info_routes_tokenize_and_completions(server: Launcher) -> None:
         "max_new_tokens": 4, "layer_skip": "off"}}, timeout=60)
     assert r.status_code == 200 and r.headers["x-generated-tokens"] == "4"
     assert {"x-compute-time", "x-queue-time", "x-prompt-tokens"} <= set(r.headers)
+    assert "x-layer-skip-mode" not in r.headers
     body = {"model": "tgi", "prompt": [PROMPT, PROMPTS[1]], "max_tokens": 4, "temperature": 0}
     done = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
     assert [c["index"] for c in done["choices"]] == [0, 1]
@@ -249,3 +250,18 @@ def test_info_routes_tokenize_and_completions(server: Launcher) -> None:
     chunks = [json.loads(p) for p in payloads[:-1]]
     first = "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == 0)
     assert first == done["choices"][0]["text"]
+
+
+def test_layer_skip_shadow_report_in_details_and_headers(server: Launcher) -> None:
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 4, "layer_skip": "shadow",
+                                             "details": True}}
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    report = r.json()["details"]["layer_skip"]
+    assert report["mode"] == "shadow"
+    assert set(report) == {"mode", "skipped_layers", "rule", "max_score", "mean_score", "stats"}
+    assert r.headers["x-layer-skip-mode"] == "shadow"
+    assert r.headers["x-layers-skipped"] == str(len(report["skipped_layers"]))
+    # Shadow mode skips nothing: the tokens equal the shard's plain greedy run.
+    ids = [t["id"] for t in r.json()["details"]["tokens"]]
+    assert ids == greedy_tokens(server.shard_socket, PROMPT, 4, DIRECT_ID_BASE + 3)
