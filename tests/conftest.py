@@ -54,7 +54,8 @@ class ShardProcess:
         return generate_pb2_grpc.TextGenerationServiceStub(self.channel)
 
     def logs(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return Path(self.log_path).read_text()[-4000:]
 
     def stop(self) -> None:
