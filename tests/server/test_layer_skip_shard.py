@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import ShardProcess
-from factories import make_batch, make_request
 from policies import SHORT_PROMPT_TOKENS, SIX_LAYERS, TWO_LAYERS, write_policy
+
 from text_generation_server.download import DEFAULT_MODEL_ID
 from text_generation_server.models.batch import CausalLMBatch
 from text_generation_server.models.causal_lm import CausalLM
@@ -25,6 +23,9 @@ from text_generation_server.models.loading import LoadConfig, load_model, load_t
 from text_generation_server.models.runner import build_runner
 from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner
 from text_generation_server.pb import generate_pb2
+
+from conftest import ShardProcess
+from factories import make_batch, make_request
 
 LONG_PROMPT = "Explain in a few sentences why the sky is blue during the day and red at sunset."
 SHORT_PROMPT = "Hello there"
@@ -205,7 +206,8 @@ def test_shard_reports_plans_over_grpc(policy_path: Path) -> None:
         lossy.layer_skip_mode = "lossy"
         bogus = make_request(3, LONG_PROMPT, 1)
         bogus.layer_skip_mode = "fastest"
-        prefill = stub.Prefill(generate_pb2.PrefillRequest(batch=make_batch(1, [make_request(1, LONG_PROMPT, 1), lossy])))
+        batch = make_batch(1, [make_request(1, LONG_PROMPT, 1), lossy])
+        prefill = stub.Prefill(generate_pb2.PrefillRequest(batch=batch))
         reports = {g.request_id: g.layer_skip for g in prefill.generations}
         assert reports[1].mode == "shadow" and list(reports[1].skipped_layers) == sorted(SIX_LAYERS)
         assert reports[2].mode == "lossy" and reports[2].rule == "default"
