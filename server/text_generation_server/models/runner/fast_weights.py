@@ -16,6 +16,7 @@ and the fallback runner and the layer-skip identity map see the same weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,7 +83,7 @@ class LayerWeights:
     post: tuple[torch.Tensor | Projection | None, ...]
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
+def unsupported_reason(model: Any) -> str | None:
     """Why the fast runner cannot run this model, or None when it can."""
     config = model.config
     model_type = getattr(config, "model_type", "?")
@@ -98,7 +99,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-def read_spec(model: nn.Module) -> ArchSpec:
+def read_spec(model: Any) -> ArchSpec:
     config = model.config
     family = FAST_MODEL_TYPES[config.model_type]
     attn = model.model.layers[0].self_attn
@@ -132,7 +133,7 @@ def read_spec(model: nn.Module) -> ArchSpec:
     )
 
 
-def rope_sources(model: nn.Module, spec: ArchSpec) -> dict[str, tuple[torch.Tensor, float]]:
+def rope_sources(model: Any, spec: ArchSpec) -> dict[str, tuple[torch.Tensor, float]]:
     """rope key -> (inv_freq, attention_scaling), taken from the model's rotary module."""
     rotary = model.model.rotary_emb
     if spec.family == "gemma3":
@@ -141,7 +142,7 @@ def rope_sources(model: nn.Module, spec: ArchSpec) -> dict[str, tuple[torch.Tens
     return {"default": (rotary.inv_freq, float(rotary.attention_scaling))}
 
 
-def norm_weight(module: nn.Module, family: str, dtype: torch.dtype) -> torch.Tensor:
+def norm_weight(module: Any, family: str, dtype: torch.dtype) -> torch.Tensor:
     weight = module.weight.detach().float()
     return ((weight + 1.0) if family == "gemma3" else weight).to(dtype).contiguous()
 
@@ -150,7 +151,7 @@ def _is_dense(module: nn.Module) -> bool:
     return type(module) is nn.Linear
 
 
-def fuse(modules: list[nn.Module], dtype: torch.dtype) -> tuple[Projection, torch.Tensor | None]:
+def fuse(modules: list[Any], dtype: torch.dtype) -> tuple[Projection, torch.Tensor | None]:
     """Fuse linears along their outputs: (weight `[sum(out), in]` or modules, bias or None)."""
     if not all(_is_dense(m) for m in modules):
         return tuple(modules), None
@@ -164,11 +165,12 @@ def fuse(modules: list[nn.Module], dtype: torch.dtype) -> tuple[Projection, torc
     biases = [m.bias for m in modules]
     if all(b is None for b in biases):
         return fused, None
-    rows = [b.detach() if b is not None else torch.zeros(m.weight.shape[0]) for m, b in zip(modules, biases, strict=True)]
-    return fused, torch.cat(rows).to(dtype).contiguous()
+    parts = [b.detach() if b is not None else torch.zeros(m.weight.shape[0])
+             for m, b in zip(modules, biases, strict=True)]
+    return fused, torch.cat(parts).to(dtype).contiguous()
 
 
-def read_layer(layer: nn.Module, spec: ArchSpec, dtype: torch.dtype) -> LayerWeights:
+def read_layer(layer: Any, spec: ArchSpec, dtype: torch.dtype) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     qkv, qkv_bias = fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype)
     o_proj, o_bias = fuse([attn.o_proj], dtype)
@@ -176,7 +178,7 @@ def read_layer(layer: nn.Module, spec: ArchSpec, dtype: torch.dtype) -> LayerWei
     down, down_bias = fuse([mlp.down_proj], dtype)
     gemma = spec.family == "gemma3"
 
-    def norm(module: nn.Module | None) -> torch.Tensor | None:
+    def norm(module: Any) -> torch.Tensor | None:
         return None if module is None else norm_weight(module, spec.family, dtype)
 
     pre = (norm(layer.input_layernorm), qkv, qkv_bias,

@@ -1,0 +1,259 @@
+"""Fast runner for the Llama family (Llama, Mistral, Qwen2, SmolLM) and Gemma 3.
+
+Design note: on a 2-core CPU an eager transformers step of a 135M model is bound by per-op
+overhead, not arithmetic. This runner keeps the math of transformers' modules but issues
+fewer, larger ops:
+- q/k/v and gate/up are one matmul each (fused weights, see fast_weights.py);
+- RoPE cos/sin come from tables built once and gathered once per forward; q and k rotate in
+  one op; the mask is built once per forward and shared by every layer;
+- attention is `F.scaled_dot_product_attention` with grouped kv heads (no repeat_kv copy),
+  reading the shared `KVCache` whose append writes in place;
+- logits are computed only for the positions asked for (the tied lm_head is ~20% of the
+  weights of the default model).
+The layer loop stays in Python, so `skip_layers` is a plain `continue` and an optional
+`torch.compile` of the two per-layer halves (`pre_attention`, `post_attention`) never
+recompiles for a new skip plan: every layer shares the same compiled graphs, with its own
+weights passed as arguments. The cache append and attention stay eager between the halves
+because their sizes grow every step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from loguru import logger
+
+from .fast_weights import ArchSpec, LayerWeights, Projection, norm_weight, read_layer, read_spec, rope_sources
+from .kv_cache import KVCache
+from .rope import RopeTable, apply_rope
+
+
+@dataclass(frozen=True)
+class FastRunnerConfig:
+    """How to build the fast runner.
+
+    Attributes:
+        dtype: compute dtype; None keeps the loaded model's (float32 or bfloat16). A different
+            dtype copies the weights (used by benchmarks to load once and compare dtypes).
+        compile: torch.compile the two halves of a decoder layer (inductor; needs a C
+            compiler). The first forward of each shape class compiles (see README-runner).
+    """
+
+    dtype: torch.dtype | None = None
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"fast runner dtype {self.dtype} is not supported; use float32 or bfloat16")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The constants the per-layer functions need (same object for every layer)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    gelu: bool
+
+
+def linear(x: torch.Tensor, weight: Projection, bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    if len(weight) == 1:  # bitsandbytes module: keeps its own bias and dtype handling
+        return weight[0](x).to(x.dtype)
+    return torch.cat([module(x) for module in weight], dim=-1).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def pre_attention(
+    h: torch.Tensor,  # [rows, new, hidden]
+    cos: torch.Tensor,  # [rows, new, 1, head_dim]
+    sin: torch.Tensor,  # [rows, new, 1, head_dim], first half negated
+    norm: torch.Tensor,
+    qkv: Projection,
+    qkv_bias: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    dims: Dims,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input norm, fused q/k/v projection, (Gemma q/k norms), RoPE.
+
+    Returns q `[rows, new, heads, head_dim]`, k and v `[rows, new, kv_heads, head_dim]`.
+    """
+    rows, new, _ = h.shape
+    num_qk = dims.num_heads + dims.num_kv_heads
+    qkv_out = linear(rms_norm(h, norm, dims.eps), qkv, qkv_bias)
+    qkv_out = qkv_out.view(rows, new, num_qk + dims.num_kv_heads, dims.head_dim)
+    qk, v = qkv_out[:, :, :num_qk], qkv_out[:, :, num_qk:]
+    if q_norm is not None and k_norm is not None:
+        q = rms_norm(qk[:, :, : dims.num_heads], q_norm, dims.eps)
+        k = rms_norm(qk[:, :, dims.num_heads :], k_norm, dims.eps)
+        qk = torch.cat((q, k), dim=2)
+    qk = apply_rope(qk, cos, sin)  # [rows, new, heads + kv_heads, head_dim]
+    return qk[:, :, : dims.num_heads], qk[:, :, dims.num_heads :], v
+
+
+def post_attention(
+    h: torch.Tensor,  # [rows, new, hidden] (the layer input: residual stream)
+    attn: torch.Tensor,  # [rows, new, heads * head_dim]
+    o_proj: Projection,
+    o_bias: torch.Tensor | None,
+    attn_out_norm: torch.Tensor | None,
+    mlp_in_norm: torch.Tensor,
+    gate_up: Projection,
+    gate_up_bias: torch.Tensor | None,
+    down: Projection,
+    down_bias: torch.Tensor | None,
+    mlp_out_norm: torch.Tensor | None,
+    dims: Dims,
+) -> torch.Tensor:
+    """Output projection + residual, then the gated MLP + residual. Returns `[rows, new, hidden]`."""
+    out = linear(attn, o_proj, o_bias)
+    if attn_out_norm is not None:
+        out = rms_norm(out, attn_out_norm, dims.eps)
+    h = h + out
+    gate, up = linear(rms_norm(h, mlp_in_norm, dims.eps), gate_up, gate_up_bias).chunk(2, dim=-1)
+    act = F.gelu(gate, approximate="tanh") if dims.gelu else F.silu(gate)
+    out = linear(act * up, down, down_bias)
+    if mlp_out_norm is not None:
+        out = rms_norm(out, mlp_out_norm, dims.eps)
+    return h + out
+
+
+def additive_mask(attention_mask: torch.Tensor, new: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """`[rows, 1, new, total]` additive mask: causal over columns, padding, optional window.
+
+    Masked entries get the dtype's minimum rather than -inf, so that a padding query row,
+    which sees no key at all, gets a uniform softmax instead of NaNs that would leak into the
+    cache through V.
+    """
+    total = attention_mask.shape[1]
+    query_cols = torch.arange(total - new, total)[:, None]  # [new, 1]
+    key_cols = torch.arange(total)[None, :]  # [1, total]
+    allowed = key_cols <= query_cols
+    if window is not None:
+        allowed = allowed & (query_cols - key_cols < window)
+    allowed = allowed[None, None] & attention_mask[:, None, None, :].bool()  # [rows, 1, new, total]
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+class FastLlamaRunner:
+    """Runner for Llama-family and Gemma 3 models (see module docstring)."""
+
+    def __init__(self, model: Any, config: FastRunnerConfig = FastRunnerConfig()) -> None:
+        self.spec: ArchSpec = read_spec(model)
+        self.config = config
+        self.dtype: torch.dtype = config.dtype or _model_dtype(model)
+        self.device = torch.device("cpu")
+        self.name = f"fast-{self.spec.family}"
+        self.num_layers = self.spec.num_layers
+        self.vocab_size = self.spec.vocab_size
+        self.dims = Dims(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
+                         self.spec.rms_norm_eps, self.spec.activation == "gelu_tanh")
+        self.layers: list[LayerWeights] = [read_layer(layer, self.spec, self.dtype) for layer in model.model.layers]
+        self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
+        self.lm_head = model.lm_head.weight.detach().to(self.dtype)  # tied: the same tensor as embed
+        self.final_norm = read_final_norm(model, self.spec, self.dtype)
+        self.embed_scale = (torch.tensor(self.spec.embed_scale).to(self.dtype)
+                            if self.spec.embed_scale is not None else None)
+        self.ropes = {key: RopeTable(inv_freq, scaling, self.dtype)
+                      for key, (inv_freq, scaling) in rope_sources(model, self.spec).items()}
+        self._pre: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = pre_attention
+        self._post: Callable[..., torch.Tensor] = post_attention
+        if config.compile:
+            self._compile()
+
+    def _compile(self) -> None:
+        if not all(isinstance(w, torch.Tensor) for w in (*self.layers[0].pre, *self.layers[0].post) if w is not None):
+            raise ValueError("--runner-compile does not support bitsandbytes layers; run without it")
+        self._pre = torch.compile(pre_attention, dynamic=True)
+        self._post = torch.compile(post_attention, dynamic=True)
+
+    def new_cache(self, num_rows: int) -> KVCache:
+        return KVCache(num_rows=num_rows, num_layers=self.num_layers)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [rows, new]
+        position_ids: torch.Tensor,  # [rows, new]
+        attention_mask: torch.Tensor,  # [rows, cache.length + new]
+        cache: KVCache,
+        last_only: bool = True,
+        skip_layers: frozenset[int] = frozenset(),
+    ) -> torch.Tensor:
+        rows, new = input_ids.shape
+        expected = (rows, cache.length + new)
+        assert attention_mask.shape == expected, f"attention_mask {tuple(attention_mask.shape)} != {expected}"
+        h = F.embedding(input_ids, self.embed)  # [rows, new, hidden]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        max_position = cache.length + new  # bounds position_ids without reading them
+        ropes = {key: table.gather(position_ids, max_position) for key, table in self.ropes.items()}
+        masks: dict[int | None, torch.Tensor] = {
+            window: additive_mask(attention_mask, new, window, self.dtype) for window in set(self.spec.sliding_windows)}
+        for i, layer in enumerate(self.layers):
+            if i in skip_layers:  # bypass: the hidden state passes through, no cache for it
+                continue
+            cos, sin = ropes[self.spec.rope_keys[i]]
+            h = self._layer(i, layer, h, cos, sin, masks[self.spec.sliding_windows[i]], cache)
+        cache.advance(new)
+        if last_only:
+            h = h[:, -1:]
+        return self._logits(h)
+
+    def _layer(self, index: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        rows, new, _ = h.shape
+        q, k, v = self._pre(h, cos, sin, *layer.pre, self.dims)  # [rows, new, heads, head_dim]
+        keys, values = cache.append(index, k.transpose(1, 2), v.transpose(1, 2))  # [rows, kv, total, dim]
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                              scale=self.spec.attention_scale, enable_gqa=True)
+        attn = attn.transpose(1, 2).reshape(rows, new, -1)  # [rows, new, heads * head_dim]
+        return self._post(h, attn, *layer.post, self.dims)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(h, self.final_norm, self.spec.rms_norm_eps)
+        logits = F.linear(h, self.lm_head)  # [rows, positions, vocab]
+        if self.spec.final_logit_softcap is not None:
+            cap = self.spec.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def warm_up(self, max_rows: int = 1) -> float:
+        """Run one prefill and one decode step per row count (compiles them); returns seconds."""
+        start = time.perf_counter()
+        for rows in sorted({1, max_rows}):
+            cache = self.new_cache(rows)
+            ids = torch.zeros((rows, 4), dtype=torch.long)
+            positions = torch.arange(4).repeat(rows, 1)
+            self.forward(ids, positions, torch.ones((rows, 4), dtype=torch.long), cache)
+            self.forward(ids[:, :1], positions[:, -1:] + 1, torch.ones((rows, 5), dtype=torch.long), cache)
+        seconds = time.perf_counter() - start
+        logger.info(f"{self.name} warm-up (compile={self.config.compile}) took {seconds:.1f} s")
+        return seconds
+
+
+def _model_dtype(model: Any) -> torch.dtype:
+    dtype = model.model.embed_tokens.weight.dtype
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def read_final_norm(model: Any, spec: ArchSpec, dtype: torch.dtype) -> torch.Tensor:
+    return norm_weight(model.model.norm, spec.family, dtype)
+
+
+def describe(runner: Any) -> str:
+    """One line for logs and Info: which runner, which dtype."""
+    return f"{runner.name} ({str(runner.dtype).removeprefix('torch.')})"
