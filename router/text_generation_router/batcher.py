@@ -10,6 +10,7 @@ FilterBatch, or ClearCache when none is left.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Coroutine
@@ -81,8 +82,18 @@ class Batcher:
             self.metrics.queue_size.set(len(self.queue))
 
     async def _serve(self, first: list[Entry]) -> None:
-        """Run one batch to completion, admitting new requests while it runs."""
+        """Run one batch to completion; a router bug fails its requests, not the loop."""
         entries = {e.id: e for e in first}
+        try:
+            await self._serve_entries(first, entries)
+        except Exception as err:  # noqa: BLE001 - the loop must survive to serve the queue
+            logger.exception("batching step failed")
+            await self._fail("decode", entries, [], ShardError(f"router error: {err}"))
+            with contextlib.suppress(ShardError):
+                await self.client.clear_cache(None)
+
+    async def _serve_entries(self, first: list[Entry], entries: dict[int, Entry]) -> None:
+        """Run one batch to completion, admitting new requests while it runs."""
         cached = await self._prefill(entries, first)
         waiting_steps = 1
         while cached is not None:
