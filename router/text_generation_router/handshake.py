@@ -23,6 +23,7 @@ class ShardInfo:
     block_size: int
     runner: str
     layer_skip_mode: str
+    layer_skip_policy_state: str = "none"
 
 
 def build_warmup_batch(
@@ -124,6 +125,7 @@ async def handshake(config: RouterConfig) -> tuple[ShardClient, ShardInfo, Servi
         requires_padding=info.requires_padding, dtype=info.dtype, device_type=info.device_type,
         speculate=info.speculate, support_chunking=info.support_chunking,
         block_size=info.block_size, runner=info.runner, layer_skip_mode=info.layer_skip_mode,
+        layer_skip_policy_state=info.layer_skip_policy_state,
     )
     logger.info("Warmup done: {}", limits)
     return client, shard, limits

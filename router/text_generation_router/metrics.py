@@ -12,6 +12,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from .layer_skip_metrics import LayerSkipMetrics
+
 # Every `*_duration` series: 35 geometric buckets from 1.5e-4 s, ratio 1.5.
 DURATION_BUCKETS = tuple(1.5e-4 * 1.5**i for i in range(35))
 BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(11))  # 1 .. 1024
@@ -72,6 +74,7 @@ class Metrics:
     batch_filter_duration: Histogram
     batch_concat: Gauge
     batch_concat_duration: Histogram
+    layer_skip: LayerSkipMetrics
 
 
 def build_metrics(max_input_tokens: int, max_total_tokens: int) -> Metrics:
@@ -134,4 +137,5 @@ def build_metrics(max_input_tokens: int, max_total_tokens: int) -> Metrics:
         batch_filter_duration=duration("tgi_batch_filter_duration", "FilterBatch", method),
         batch_concat=_counter("tgi_batch_concat", "New batch admissions", ("reason",), registry=r),
         batch_concat_duration=duration("tgi_batch_concat_duration", "Concat", method),
+        layer_skip=LayerSkipMetrics.build(r, COUNTER_NAMES),
     )

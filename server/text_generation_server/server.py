@@ -25,6 +25,7 @@ from .cache import Cache
 from .env import ShardEnv
 from .models.batch import CausalLMBatch
 from .models.causal_lm import CausalLM, Generation, TokenInfo
+from .models.speculative import MAX_DRAFT
 from .pb import generate_pb2, generate_pb2_grpc
 
 T = TypeVar("T")
@@ -63,7 +64,7 @@ def generation_to_pb(g: Generation) -> generate_pb2.Generation:
         pb.prefill_tokens.CopyFrom(tokens_to_pb(g.prefill_tokens))
     if g.layer_skip is not None:
         r = g.layer_skip
-        stats = {**{k: float(v) for k, v in r.scores.items()}, "decision_ms": r.decision_ms}
+        stats = {**{k: float(v) for k, v in r.scores.items()}, **r.stats}
         pb.layer_skip.CopyFrom(generate_pb2.LayerSkipReport(
             mode=r.mode, skipped_layers=r.skipped_layers, rule=r.rule, max_score=float(r.scores.get("max_score", 0.0)),
             mean_score=float(r.scores.get("mean_score", 0.0)), stats=stats))
@@ -108,7 +109,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         planner = self.model.planner
         return generate_pb2.InfoResponse(
             requires_padding=True, dtype=self.config.dtype, device_type=self.model.runner.device.type,
-            speculate=0, support_chunking=False, use_prefix_caching=False,
+            speculate=MAX_DRAFT if planner.policy_state == "loaded" else 0,
+            support_chunking=False, use_prefix_caching=False,
             attention_impl=self.env.attention, block_size=self.env.block_size,
             runner=self.model.runner.name, quantize=self.config.quantize,
             layer_skip_mode=planner.mode, layer_skip_policy=planner.config.policy_path or "",
@@ -153,9 +155,17 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
     def _warmup(self, request: generate_pb2.WarmupRequest) -> generate_pb2.WarmupResponse:
         max_input = request.max_input_tokens if request.HasField("max_input_tokens") else None
         self.max_input_tokens = max(self.max_input_tokens, max_input or 0)
-        batch = self._from_pb(request.batch)
+        warmup_batch = generate_pb2.Batch()
+        warmup_batch.CopyFrom(request.batch)
+        for r in warmup_batch.requests:  # upstream's router warms up with watermark on: a dry run
+            r.parameters.watermark = False
+        batch = self._from_pb(warmup_batch)
         padded_tokens = sum(g.num_rows * g.width for g in batch.groups)
         self.model.generate_token(batch)  # a dry run; the result is not cached
+        if self.model.planner.policy_state == "loaded":
+            cost = self.model.costs()
+            logger.info(f"Verified-mode cost model: step {cost.step_s * 1000:.1f} ms, verify "
+                        f"{[round(t * 1000, 1) for t in cost.verify_s]} ms, {cost.layer_s * 1000:.2f} ms/layer")
         max_total = request.max_total_tokens if request.HasField("max_total_tokens") else padded_tokens
         max_input = max_input if max_input is not None else max_total - 1
         self.max_input_tokens = max_input

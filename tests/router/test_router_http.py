@@ -265,3 +265,7 @@ def test_layer_skip_shadow_report_in_details_and_headers(server: Launcher) -> No
     # Shadow mode skips nothing: the tokens equal the shard's plain greedy run.
     ids = [t["id"] for t in r.json()["details"]["tokens"]]
     assert ids == greedy_tokens(server.shard_socket, PROMPT, 4, DIRECT_ID_BASE + 3)
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert f'tgi_layer_skip_plans{{mode="shadow",rule="{report["rule"]}"}}' in metrics
+    assert 'tgi_layer_skip_policy_loaded{mode="off",state="none"} 1.0' in metrics
+    assert "tgi_layer_skip_decision_duration_count" in metrics

@@ -22,8 +22,8 @@ def test_handshake_and_greedy_chat_answer(shard: Stub) -> None:
     assert info.requires_padding and not info.support_chunking and not info.use_prefix_caching
     assert info.dtype == "torch.float32" and info.device_type == "cpu"
     assert info.block_size >= 1 and info.speculate == 0 and not info.HasField("window_size")
-    warmup = shard.Warmup(generate_pb2.WarmupRequest(
-        batch=make_batch(7, [make_request(0, "warm up " * 40, 2, ignore_eos=True)]),
+    warmup = shard.Warmup(generate_pb2.WarmupRequest(  # upstream's router warms up with watermark on
+        batch=make_batch(7, [make_request(0, "warm up " * 40, 2, ignore_eos=True, watermark=True)]),
         max_input_tokens=1000, max_prefill_tokens=1024, max_total_tokens=1024))
     assert (warmup.max_input_tokens, warmup.max_total_tokens) == (1000, 1024)
     assert not warmup.HasField("max_supported_total_tokens")
@@ -158,6 +158,8 @@ def test_top_n_tokens_and_prefill_logprobs_shapes(shard: Stub) -> None:
         (lambda s: s.Prefill(generate_pb2.PrefillRequest(batch=make_batch(704, [
             make_request(705, "hello", 4, grammar="[0-9]+", grammar_type=generate_pb2.GRAMMAR_TYPE_REGEX)]))),
          "grammar (GRAMMAR_TYPE_REGEX) is not supported"),
+        (lambda s: s.Prefill(generate_pb2.PrefillRequest(batch=make_batch(708, [
+            make_request(709, "hello", 4, watermark=True)]))), "request 709: watermark is not supported"),
         (lambda s: s.Prefill(generate_pb2.PrefillRequest(batch=make_batch(706, [
             make_request(707, "hello", 0)]))), "max_new_tokens must be strictly positive, got 0"),
     ],
