@@ -15,8 +15,11 @@ from ..layerskip.plan import MODES, SkipPlan
 from ..pb import generate_pb2
 from ..sampling import NextTokenChooser, SamplingParams
 from ..stopping import StoppingCriteria
-from .plan_groups import PlanGroup
+from .plan_groups import GroupKey, PlanGroup
 from .runner.kv_cache import KVCache
+from .speculative import SpecState
+
+NO_SKIP: GroupKey = (frozenset(), frozenset())
 
 
 @dataclass
@@ -33,6 +36,7 @@ class RequestState:
     layer_skip_mode: str = ""  # the request's override; "" = the server's mode
     plan: SkipPlan | None = None  # decided once, at prefill
     decision_ms: float = 0.0
+    spec: SpecState | None = None  # verified mode: acceptance and draft length
     prefix_offset: int = 0
     read_offset: int = 0
     finished: bool = False
@@ -126,19 +130,19 @@ class CausalLMBatch:
             ))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         batch = cls(pb.id, requests, [], num_layers, pad_id)
-        batch.regroup({s.id: frozenset() for s in requests})
+        batch.regroup({s.id: NO_SKIP for s in requests})
         return batch
 
-    def regroup(self, skips: dict[int, frozenset[int]]) -> None:
-        """Before prefill: one group per distinct skip set, rows in batch order."""
+    def regroup(self, keys: dict[int, GroupKey]) -> None:
+        """Before prefill: one group per distinct key, rows in batch order."""
         assert not self.prefilled, "groups are formed once, before prefill"
-        members: dict[frozenset[int], list[RequestState]] = {}
+        members: dict[GroupKey, list[RequestState]] = {}
         for state in self.requests:
-            members.setdefault(skips[state.id], []).append(state)
+            members.setdefault(keys[state.id], []).append(state)
         self.groups = [
-            PlanGroup.from_prompts(skip, [s.id for s in states], [s.all_ids[: s.input_length] for s in states],
+            PlanGroup.from_prompts(key, [s.id for s in states], [s.all_ids[: s.input_length] for s in states],
                                    KVCache(num_rows=len(states), num_layers=self.num_layers), self.pad_id)
-            for skip, states in members.items()
+            for key, states in members.items()
         ]
         self.max_tokens = self._estimate_max_tokens()
 
@@ -180,18 +184,34 @@ class CausalLMBatch:
 
     @classmethod
     def concatenate(cls, batches: list[CausalLMBatch]) -> CausalLMBatch:
-        """Stack prefilled batches, merging groups of the same skip set; keeps the first id."""
+        """Stack prefilled batches, merging groups of the same key; keeps the first id."""
         assert all(b.prefilled for b in batches), "only prefilled batches can be concatenated"
-        by_skip: dict[frozenset[int], list[PlanGroup]] = {}
+        by_key: dict[GroupKey, list[PlanGroup]] = {}
         for b in batches:
             for g in b.groups:
-                by_skip.setdefault(g.skip, []).append(g)
-        groups = [PlanGroup.concatenate(gs) if len(gs) > 1 else gs[0] for gs in by_skip.values()]
+                by_key.setdefault(g.key, []).append(g)
+        groups = [PlanGroup.concatenate(gs) if len(gs) > 1 else gs[0] for gs in by_key.values()]
         first = batches[0]
         out = cls(first.batch_id, [s for b in batches for s in b.requests], groups, first.num_layers, first.pad_id)
         out.max_tokens = out._estimate_max_tokens()
         return out
 
-    def row_of(self) -> dict[int, tuple[PlanGroup, int]]:
-        """Request id -> (its group, its row in that group)."""
-        return {rid: (g, row) for g in self.groups for row, rid in enumerate(g.request_ids)}
+    def move(self, request_ids: list[int], key: GroupKey) -> None:
+        """Move prefilled rows into the group of `key` (created if absent); same cache layers only."""
+        moved = []
+        for group in list(self.groups):
+            ids = [rid for rid in group.request_ids if rid in set(request_ids)]
+            if not ids:
+                continue
+            assert group.skip == key[0], "rows move only between groups that cache the same layers"
+            if len(ids) == group.num_rows:
+                self.groups.remove(group)
+                group.draft_skip = key[1]
+                moved.append(group)
+            else:
+                moved.append(group.split(ids, key))
+        target = [g for g in self.groups if g.key == key]
+        if target:
+            self.groups.remove(target[0])
+        merged = target + moved
+        self.groups.append(PlanGroup.concatenate(merged) if len(merged) > 1 else merged[0])

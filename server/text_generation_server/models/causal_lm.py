@@ -17,9 +17,11 @@ from transformers import PreTrainedTokenizerBase
 from ..detokenize import decode_token
 from ..sampling import top_n_tokens
 from ..stopping import FinishReason
-from .batch import CausalLMBatch, RequestState
+from .batch import NO_SKIP, CausalLMBatch, RequestState
+from .group_step import RowStep, plain_step, verified_step
 from .runner.base import Runner
 from .skip_planner import SkipPlanner
+from .speculative import MIN_CYCLES_BEFORE_AUTO_OFF, CostModel, SpecState
 
 
 @dataclass
@@ -54,29 +56,33 @@ class Generation:
 
 @dataclass
 class SkipReport:
-    """A request's plan as reported on its first generation (when its mode is not off)."""
+    """A request's plan, reported on its first and its last generation (when its mode is not off)."""
 
     mode: str
     skipped_layers: list[int]
     rule: str
     scores: dict[str, float]
-    decision_ms: float
+    stats: dict[str, float]
 
 
 def skip_report(state: RequestState) -> SkipReport | None:
+    """The request's plan, with its decision time and (verified mode) drafting statistics."""
     plan = state.plan
     if plan is None or plan.mode == "off":
         return None
-    return SkipReport(plan.mode, sorted(plan.skipped), plan.rule, dict(plan.scores), state.decision_ms)
+    stats = {"decision_ms": state.decision_ms}
+    spec = state.spec
+    if spec is not None:
+        stats.update(drafted=spec.drafted, accepted=spec.accepted, cycles=spec.cycles, draft_length=spec.k,
+                     acceptance=spec.accepted / spec.drafted if spec.drafted else 0.0,
+                     auto_off=float(spec.auto_off))
+    return SkipReport(plan.mode, sorted(plan.skipped), plan.rule, dict(plan.scores), stats)
 
 
 @dataclass
 class StepTimings:
     forward_ns: int
     decode_ns: int
-
-
-Choice = tuple[int, float]  # (token id, logprob)
 
 
 class CausalLM:
@@ -90,80 +96,97 @@ class CausalLM:
         self.planner = planner
         self.max_position_embeddings = max_position_embeddings
         self.special_ids = frozenset(tokenizer.all_special_ids)
+        self.cost_model: CostModel | None = None
 
     def generate_token(self, batch: CausalLMBatch) -> tuple[list[Generation], CausalLMBatch | None, StepTimings]:
         """Run one step; returns the generations, the batch to cache (None if all stopped) and timings."""
         start = time.perf_counter_ns()
         if not batch.prefilled:
             self.plan(batch)
-        logits = self.forward(batch)  # request id -> [1 | new, vocab]
+        steps = self.run_groups(batch)  # request id -> its tokens of this step
         forward_done = time.perf_counter_ns()
-        chosen = self.choose_tokens(batch, logits)
-        generations = [self.request_generation(state, logits[state.id], *chosen[state.id])
+        generations = [self.request_generation(state, steps[state.id])
                        for state in batch.requests if not state.finished]
-        for group in batch.groups:
-            group.advance([chosen[rid][0] for rid in group.request_ids])
+        self.adapt_drafting(batch, steps)
         alive = any(not s.finished for s in batch.requests)
         timings = StepTimings(forward_done - start, time.perf_counter_ns() - forward_done)
         return generations, (batch if alive else None), timings
 
     def plan(self, batch: CausalLMBatch) -> None:
         """Decide each request's SkipPlan and group the batch's rows by the layers they skip."""
+        keys = {}
         for state in batch.requests:
-            state.plan = self.planner.plan(state)
-            state.plan.check_layers(self.runner.num_layers)
-        batch.regroup({s.id: s.plan.applied if s.plan else frozenset() for s in batch.requests})
+            plan = state.plan = self.planner.plan(state)
+            plan.check_layers(self.runner.num_layers)
+            verified = plan.mode == "verified" and bool(plan.skipped)
+            state.spec = SpecState() if verified else None
+            keys[state.id] = (frozenset(), plan.skipped) if verified else (plan.applied, frozenset())
+        batch.regroup(keys)
 
-    def forward(self, batch: CausalLMBatch) -> dict[int, torch.Tensor]:
-        """One forward per plan group, each bypassing its group's layers."""
-        logits: dict[int, torch.Tensor] = {}
-        states = {s.id: s for s in batch.requests}
-        for group in batch.groups:
-            prefill = group.cache.length == 0
-            all_positions = prefill and any(states[rid].prefill_logprobs for rid in group.request_ids)
-            input_ids, position_ids, mask = group.forward_inputs()
-            out = self.runner.forward(input_ids, position_ids, mask, group.cache, last_only=not all_positions,
-                                      skip_layers=group.skip)  # [rows, 1 | new, vocab]
-            logits.update(zip(group.request_ids, out, strict=True))
-        return logits
-
-    def choose_tokens(self, batch: CausalLMBatch, logits: dict[int, torch.Tensor]) -> dict[int, Choice]:
-        """One token per request from the logits of its last position."""
-        choices: dict[int, Choice] = {}
+    def run_groups(self, batch: CausalLMBatch) -> dict[int, RowStep]:
+        """One step per plan group: a plain forward, or a draft-verify cycle for verified groups."""
         by_id = {s.id: s for s in batch.requests}
+        steps: dict[int, RowStep] = {}
         for group in batch.groups:
             states = [by_id[rid] for rid in group.request_ids]
-            if all(s.chooser.params.is_plain_greedy for s in states):
-                last = torch.stack([logits[rid][-1] for rid in group.request_ids])  # [rows, vocab]
-                logprobs = last.log_softmax(-1)
-                ids = logprobs.argmax(-1)
-                values = logprobs.gather(1, ids[:, None]).squeeze(1)
-                choices.update(zip(group.request_ids, zip(ids.tolist(), values.tolist(), strict=True), strict=True))
-                continue
-            for s in states:
-                choices[s.id] = s.chooser(logits[s.id][-1], torch.tensor(s.all_ids))
-        return choices
+            if group.draft_skip and group.cache.length:
+                k = max(s.spec.k for s in states if s.spec is not None)
+                steps.update(verified_step(self.runner, group, states, k))
+            else:
+                steps.update(plain_step(self.runner, group, states))
+        return steps
 
-    def request_generation(self, state: RequestState, logits: torch.Tensor, token_id: int,
-                           logprob: float) -> Generation:
-        """Record the chosen token, detokenize it, check stopping. `logits`: [1 | new, vocab]."""
+    def adapt_drafting(self, batch: CausalLMBatch, steps: dict[int, RowStep]) -> None:
+        """Update acceptance; pick each request's draft length; move slow ones to plain decoding."""
+        if not any(s.spec is not None and steps[s.id].drafted for s in batch.requests):
+            return
+        cost = self.costs()
+        stop_drafting = []
+        for state in batch.requests:
+            step, spec = steps[state.id], state.spec
+            if spec is None or not step.drafted or state.finished:
+                continue
+            spec.record(step.drafted, step.accepted)
+            assert state.plan is not None
+            spec.k, speedup = cost.best_k(spec.acceptance, len(state.plan.skipped))
+            if speedup < 1.0 and spec.cycles >= MIN_CYCLES_BEFORE_AUTO_OFF:
+                spec.auto_off = True
+                stop_drafting.append(state.id)
+        if stop_drafting:
+            batch.move(stop_drafting, NO_SKIP)
+
+    def costs(self) -> CostModel:
+        """The draft/verify cost model (measured once, at warmup or on first use)."""
+        if self.cost_model is None:
+            self.cost_model = CostModel.measure(self.runner)
+        return self.cost_model
+
+    def request_generation(self, state: RequestState, step: RowStep) -> Generation:
+        """Record the step's tokens one by one, detokenizing and checking stopping after each."""
         first_step = not state.generated_ids
-        prefill = self.prefill_tokens(state, logits) if state.prefill_logprobs and first_step else None
-        report = skip_report(state) if first_step else None
-        state.all_ids.append(token_id)
-        state.generated_ids.append(token_id)
-        text, state.prefix_offset, state.read_offset = decode_token(
-            self.tokenizer, state.all_ids, state.prefix_offset, state.read_offset)
-        tokens = TokenInfo([token_id], [logprob], [text], [token_id in self.special_ids])
-        top = [self.top_tokens(state, logits[-1])] if state.top_n_tokens else []
-        reason = state.stopping(token_id, text)
-        finished = None
-        if reason is not None:
-            state.finished = True
-            params = state.chooser.params
-            finished = FinishedText(
-                str(self.tokenizer.decode(state.generated_ids, skip_special_tokens=True)),
-                len(state.generated_ids), reason, params.seed if params.sampling else None)
+        prompt = step.prompt_logits
+        prefill = self.prefill_tokens(state, prompt) if prompt is not None and first_step else None
+        tokens, top, finished = TokenInfo(), [], None
+        for i, (token_id, logprob) in enumerate(zip(step.token_ids, step.logprobs, strict=True)):
+            state.all_ids.append(token_id)
+            state.generated_ids.append(token_id)
+            text, state.prefix_offset, state.read_offset = decode_token(
+                self.tokenizer, state.all_ids, state.prefix_offset, state.read_offset)
+            tokens.ids.append(token_id)
+            tokens.logprobs.append(logprob)
+            tokens.texts.append(text)
+            tokens.is_special.append(token_id in self.special_ids)
+            if state.top_n_tokens:
+                top.append(self.top_tokens(state, step.logits[i]))
+            reason = state.stopping(token_id, text)
+            if reason is not None:
+                state.finished = True
+                params = state.chooser.params
+                finished = FinishedText(
+                    str(self.tokenizer.decode(state.generated_ids, skip_special_tokens=True)),
+                    len(state.generated_ids), reason, params.seed if params.sampling else None)
+                break
+        report = skip_report(state) if first_step or finished is not None else None
         return Generation(state.id, tokens, prefill, top, finished, report)
 
     def prefill_tokens(self, state: RequestState, logits: torch.Tensor) -> TokenInfo:

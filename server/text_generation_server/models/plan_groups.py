@@ -1,8 +1,10 @@
 """Plan groups: the rows of a batch that bypass the same decoder layers.
 
-Design note: requests whose plans apply the same skip set share one left-padded tensor
+Design note: requests whose plans apply the same skip sets share one left-padded tensor
 state and one KV cache, so one forward serves them all and a skipped layer allocates no
-cache for the group. Groups of one batch run one after another (a layer runs only for the
+cache for the group. A group's key is (layers bypassed in every forward, as in `lossy`;
+layers bypassed only while drafting, as in `verified`): a verified group keeps every layer's
+cache, because verification runs the full model. Groups of one batch run one after another (a layer runs only for the
 groups that need it). Few distinct plans keep batching efficient; `off` and `shadow`
 requests always share the group with the empty skip set.
 
@@ -21,20 +23,28 @@ import torch
 
 from .runner.kv_cache import KVCache
 
+# (layers bypassed in every forward, layers bypassed in draft forwards only)
+GroupKey = tuple[frozenset[int], frozenset[int]]
+
 
 @dataclass
 class PlanGroup:
     """Rows sharing one skip set, with their own tensors and KV cache (see module docstring)."""
 
-    skip: frozenset[int]
+    skip: frozenset[int]  # bypassed in every forward of the group (lossy)
     request_ids: list[int]  # row order of the tensors below
     cache: KVCache
     attention_mask: torch.Tensor  # [rows, cache.length]
     pending_ids: torch.Tensor  # [rows, new]
     pending_mask: torch.Tensor  # [rows, new]
+    draft_skip: frozenset[int] = frozenset()  # bypassed in draft forwards only (verified)
+
+    @property
+    def key(self) -> GroupKey:
+        return (self.skip, self.draft_skip)
 
     @classmethod
-    def from_prompts(cls, skip: frozenset[int], request_ids: list[int], prompts: list[list[int]],
+    def from_prompts(cls, key: GroupKey, request_ids: list[int], prompts: list[list[int]],
                      cache: KVCache, pad_id: int) -> PlanGroup:
         """A group before prefill: prompts left-padded to the longest."""
         width = max(len(p) for p in prompts)
@@ -44,7 +54,7 @@ class PlanGroup:
             pending_ids[row, width - len(prompt):] = torch.tensor(prompt)
             pending_mask[row, width - len(prompt):] = 1
         empty = torch.zeros((len(prompts), 0), dtype=torch.long)
-        return cls(skip, request_ids, cache, empty, pending_ids, pending_mask)
+        return cls(key[0], request_ids, cache, empty, pending_ids, pending_mask, key[1])
 
     @property
     def num_rows(self) -> int:
@@ -56,24 +66,41 @@ class PlanGroup:
         return self.attention_mask.shape[1] + self.pending_ids.shape[1]
 
     def filter(self, keep_ids: list[int]) -> None:
-        """Keep the rows of `keep_ids` (in that order); trims columns that became all padding."""
+        """Keep the rows of `keep_ids` (in that order); trims columns that became all padding.
+
+        A row's masked columns need not be contiguous (verified mode masks the rejected draft
+        columns of a row in place), so the trim keeps everything from the leftmost real token
+        of any kept row.
+        """
         position = {rid: row for row, rid in enumerate(self.request_ids)}
         rows = [position[rid] for rid in keep_ids]
         if rows == list(range(self.num_rows)):
             return
         index = torch.tensor(rows, dtype=torch.long)
         mask = self.attention_mask.index_select(0, index)
-        new_length = int(mask.sum(1).max()) if self.cache.length else 0
+        used = mask.any(0).nonzero()
+        new_length = mask.shape[1] - int(used.min()) if self.cache.length and used.numel() else 0
         self.cache.filter(rows, new_length)
         self.attention_mask = mask[:, mask.shape[1] - new_length:]
         self.pending_ids = self.pending_ids.index_select(0, index)
         self.pending_mask = self.pending_mask.index_select(0, index)
         self.request_ids = list(keep_ids)
 
+    def split(self, move_ids: list[int], key: GroupKey) -> PlanGroup:
+        """Take the rows of `move_ids` out into a new group with `key` (same cache layers)."""
+        keep_ids = [rid for rid in self.request_ids if rid not in set(move_ids)]
+        moved = PlanGroup(key[0], list(self.request_ids), KVCache(self.cache.num_rows, self.cache.num_layers,
+                                                                  self.cache.length, list(self.cache.keys),
+                                                                  list(self.cache.values)),
+                          self.attention_mask, self.pending_ids, self.pending_mask, key[1])
+        moved.filter(move_ids)
+        self.filter(keep_ids)
+        return moved
+
     @classmethod
     def concatenate(cls, groups: list[PlanGroup]) -> PlanGroup:
-        """Stack prefilled groups of one skip set, left-padding to the longest."""
-        assert len({g.skip for g in groups}) == 1, "only groups with the same skip set concatenate"
+        """Stack prefilled groups of one key, left-padding to the longest."""
+        assert len({g.key for g in groups}) == 1, "only groups with the same skip sets concatenate"
         assert all(g.cache.length for g in groups), "only prefilled groups can be concatenated"
         length = max(g.cache.length for g in groups)
         masks = [torch.nn.functional.pad(g.attention_mask, (length - g.cache.length, 0)) for g in groups]
@@ -84,6 +111,7 @@ class PlanGroup:
             attention_mask=torch.cat(masks, 0),
             pending_ids=torch.cat([g.pending_ids for g in groups], 0),
             pending_mask=torch.cat([g.pending_mask for g in groups], 0),
+            draft_skip=groups[0].draft_skip,
         )
 
     def forward_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

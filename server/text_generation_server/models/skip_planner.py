@@ -19,8 +19,6 @@ from ..layerskip import Scheduler, SkipPlan
 from ..layerskip.plan import MODES
 from .batch import RequestState
 
-# Modes this shard can run today; "verified" (lossless self-speculation) is refused until built.
-SERVED_MODES = ("off", "shadow", "lossy")
 BAD_POLICY_ACTIONS = ("exit", "off")
 
 
@@ -41,9 +39,6 @@ class LayerSkipConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--layer-skip-mode {self.mode} is not one of {', '.join(MODES)}")
-        if self.mode not in SERVED_MODES:
-            raise ValueError(f"--layer-skip-mode {self.mode} is not available in this build; "
-                             f"use one of {', '.join(SERVED_MODES)}")
         if self.on_bad_policy not in BAD_POLICY_ACTIONS:
             raise ValueError(f"--layer-skip-on-bad-policy {self.on_bad_policy} is not one of "
                              f"{', '.join(BAD_POLICY_ACTIONS)}")
@@ -76,9 +71,6 @@ class SkipPlanner:
     def plan(self, state: RequestState) -> SkipPlan:
         """The request's plan; also records how long the decision took."""
         mode = state.layer_skip_mode or self.mode
-        if mode not in SERVED_MODES:
-            raise ValueError(f"request {state.id}: layer_skip mode {mode!r} is not available in this build; "
-                             f"use one of {', '.join(SERVED_MODES)}")
         if mode == "off" or self.policy_state == "refused":
             return SkipPlan.off()
         start = time.perf_counter()
