@@ -8,7 +8,7 @@ PORT ?= 3000
 MODEL_ID ?= HuggingFaceTB/SmolLM2-135M-Instruct
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck unit proto check-proto bench clean
+.PHONY: install run test lint typecheck unit proto check-proto bench clean test-upstream
 
 install: $(STAMP)
 
@@ -30,10 +30,11 @@ check-proto: install
 	$(PY) proto/generate_stubs.py --check
 
 lint: install
-	$(VENV)/bin/ruff check server router tests benchmark proto
+	$(VENV)/bin/ruff check server router tests benchmark proto patches
 
 typecheck: install
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy patches/tgi_layerskip_patch
 
 unit: install
 	$(VENV)/bin/pytest -q tests
@@ -49,3 +50,16 @@ bench: install
 
 clean:
 	rm -rf $(VENV)
+
+# Upstream TGI's own Python shard, from a checkout, in a fresh venv with our patch installed:
+#   make test-upstream UPSTREAM_TGI=<checkout of huggingface/text-generation-inference>
+# (`make test` collects the same tests and skips them, saying why, when UPSTREAM_TGI is unset.)
+UPSTREAM_VENV ?= .venv-upstream
+test-upstream: install
+	@if [ -z "$(UPSTREAM_TGI)" ]; then \
+		echo "test-upstream skipped: UPSTREAM_TGI is not set (make test-upstream UPSTREAM_TGI=<checkout of huggingface/text-generation-inference>)"; \
+	else \
+		rm -rf $(UPSTREAM_VENV) && patches/setup_upstream_venv.sh "$(UPSTREAM_TGI)" $(UPSTREAM_VENV) && \
+		UPSTREAM_TGI="$(abspath $(UPSTREAM_TGI))" UPSTREAM_VENV="$(abspath $(UPSTREAM_VENV))" \
+			$(VENV)/bin/pytest -p no:cacheprovider -ra tests/upstream; \
+	fi

@@ -26,13 +26,18 @@ from .config import PatchConfig
 PATCHED = "__tgi_layerskip_patched__"
 
 
+# Upstream's serve command keeps only loguru records whose module name starts with
+# "text_generation_server" (its launcher parses them), so the patch's records carry this name.
+LOG_NAME = "text_generation_server.tgi_layerskip_patch"
+
+
 def _log(message: str) -> None:
     try:
-        from loguru import logger  # upstream's logger: its launcher parses the shard's loguru JSON
+        from loguru import logger
     except ImportError:
         print(message, file=sys.stderr)
         return
-    logger.info(message)
+    logger.patch(lambda record: record.update(name=LOG_NAME)).info(message)  # type: ignore[call-arg]
 
 
 class LayerSkip:
