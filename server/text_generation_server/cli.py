@@ -149,5 +149,10 @@ def _build(model_id: str, revision: str | None, sharded: bool, quantize: Quantiz
     return model, config
 
 
+from .layerskip_cli import app as layerskip_app  # noqa: E402  (offline layer-skip tools)
+
+app.add_typer(layerskip_app, name="layerskip")
+
+
 if __name__ == "__main__":
     app()
