@@ -108,13 +108,16 @@ def logical_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in param.shape)
 
 
+def _gather(tensor: torch.Tensor, index: np.ndarray) -> torch.Tensor:
+    """tensor.reshape(-1)[index] as float64 on the CPU (gathered on the tensor's device first)."""
+    flat = tensor.detach().reshape(-1)
+    return flat.index_select(0, torch.from_numpy(index).to(flat.device)).cpu().double()
+
+
 def _int8_values(param: torch.Tensor, positions: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     scb = param.SCB  # type: ignore[attr-defined]  # [out] row absmax of an Int8Params
-    flat = param.data.reshape(-1)
-    index = torch.from_numpy(positions)
-    rows = index // int(np.prod(shape[1:]))
-    values = flat.index_select(0, index).double() * scb.double().index_select(0, rows) / 127.0
-    result: np.ndarray = values.numpy()
+    rows = positions // int(np.prod(shape[1:]))
+    result: np.ndarray = (_gather(param.data, positions) * _gather(scb, rows) / 127.0).numpy()
     return result
 
 
@@ -129,11 +132,10 @@ def _4bit_values(param: torch.Tensor, positions: np.ndarray) -> np.ndarray:
     absmax = state.absmax
     if state.nested:
         absmax = bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
-    index = torch.from_numpy(positions)
-    packed = param.data.reshape(-1).view(torch.uint8).index_select(0, index // 2).long()
-    nibbles = torch.where(index % 2 == 0, packed >> 4, packed & 0xF)
-    code = state.code.double().index_select(0, nibbles)
-    scale = absmax.double().index_select(0, index // int(state.blocksize))
+    packed = _gather(param.data.view(torch.uint8), positions // 2).long()
+    nibbles = torch.where(torch.from_numpy(positions % 2 == 0), packed >> 4, packed & 0xF)
+    code = state.code.detach().cpu().double().index_select(0, nibbles)
+    scale = _gather(absmax, positions // int(state.blocksize))
     result: np.ndarray = (code * scale).numpy()
     return result
 
@@ -147,8 +149,7 @@ def sampled_values(param: torch.Tensor, config: FingerprintConfig) -> np.ndarray
             return _4bit_values(param, positions)
         if getattr(param, "SCB", None) is not None and param.dtype == torch.int8:
             return _int8_values(param, positions, shape)
-        flat = param.detach().reshape(-1)
-        result: np.ndarray = flat.index_select(0, torch.from_numpy(positions)).double().numpy()
+        result: np.ndarray = _gather(param, positions).numpy()
         return result
 
 
