@@ -162,6 +162,8 @@ def shard_argv(args: LauncherArgs) -> list[str]:
         argv += ["--layer-skip-mode", a.layer_skip_mode]
     if a.layer_skip_policy:
         argv += ["--layer-skip-policy", a.layer_skip_policy]
+    if a.layer_skip_on_bad_policy != "exit":
+        argv += ["--layer-skip-on-bad-policy", a.layer_skip_on_bad_policy]
     return argv
 
 

@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer-skip-mode", default=_env("LAYER_SKIP_MODE", "off"),
                    choices=["off", "shadow", "lossy", "verified"])
     p.add_argument("--layer-skip-policy", default=_env("LAYER_SKIP_POLICY", None))
+    p.add_argument("--layer-skip-on-bad-policy", default=_env("LAYER_SKIP_ON_BAD_POLICY", "exit"),
+                   choices=["exit", "off"])
     for flag in REFUSED:
         p.add_argument(flag, nargs="?", const="", default=None, help=argparse.SUPPRESS)
     return p

@@ -69,12 +69,14 @@ def test_configs_reject_bad_limits_with_the_flag_to_change() -> None:
 
 def test_launcher_argv_follow_upstream_order() -> None:
     args = parse_args(["--model-id", "m", "--shard-uds-path", "/tmp/s", "--max-input-tokens", "8",
-                       "--dtype", "bfloat16", "--layer-skip-mode", "shadow"])
+                       "--dtype", "bfloat16", "--layer-skip-mode", "shadow", "--layer-skip-policy", "p.json",
+                       "--layer-skip-on-bad-policy", "off"])
     argv = shard_argv(args)
     assert argv[1:] == ["serve", "m", "--uds-path", "/tmp/s", "--logger-level", "INFO",
                         "--json-output", "--dtype", "bfloat16", "--otlp-service-name",
                         "text-generation-inference.server", "--max-input-tokens", "8",
-                        "--runner", "auto", "--layer-skip-mode", "shadow"]
+                        "--runner", "auto", "--layer-skip-mode", "shadow", "--layer-skip-policy", "p.json",
+                        "--layer-skip-on-bad-policy", "off"]
     r = router_argv(args, "/local/folder")
     assert r[r.index("--master-shard-uds-path") + 1] == "/tmp/s-0"
     assert r[r.index("--tokenizer-name") + 1] == "/local/folder"

@@ -97,6 +97,7 @@ class CausalLM:
         self.max_position_embeddings = max_position_embeddings
         self.special_ids = frozenset(tokenizer.all_special_ids)
         self.cost_model: CostModel | None = None
+        self.auto_off = True  # verified requests whose drafting does not pay continue as off
 
     def generate_token(self, batch: CausalLMBatch) -> tuple[list[Generation], CausalLMBatch | None, StepTimings]:
         """Run one step; returns the generations, the batch to cache (None if all stopped) and timings."""
@@ -149,7 +150,7 @@ class CausalLM:
             spec.record(step.drafted, step.accepted)
             assert state.plan is not None
             spec.k, speedup = cost.best_k(spec.acceptance, len(state.plan.skipped))
-            if speedup < 1.0 and spec.cycles >= MIN_CYCLES_BEFORE_AUTO_OFF:
+            if self.auto_off and speedup < 1.0 and spec.cycles >= MIN_CYCLES_BEFORE_AUTO_OFF:
                 spec.auto_off = True
                 stop_drafting.append(state.id)
         if stop_drafting:

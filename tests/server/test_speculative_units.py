@@ -1,0 +1,69 @@
+"""Verified mode's acceptance rule and cost model on synthetic numbers (no model needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from text_generation_server.models.speculative import CostModel, Proposal, SpecState, accept, draft_token
+from text_generation_server.sampling import SamplingParams
+
+# Critical value of the chi-square distribution with 5 degrees of freedom at p = 0.001.
+CHI2_DF5_P001 = 20.515
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_rejection_sampling_reproduces_the_target_distribution() -> None:
+    params = SamplingParams(do_sample=True)
+    target = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
+    draft = torch.tensor([0.0, 2.0, 0.0, 1.0, 0.5, -2.0])  # deliberately unlike the target
+    generator = torch.Generator().manual_seed(1234)
+    trials = 8000
+    first = torch.zeros(6)
+    second = torch.zeros(6)
+    accepted = 0
+    for _ in range(trials):
+        proposal = Proposal()
+        for _ in range(2):  # k = 2 drafts from the same draft distribution
+            draft_token(params, generator, draft, [], proposal)
+        verify = torch.stack([target, target, target])  # [k + 1, vocab]
+        tokens, _, kept = accept(params, generator, verify, [], proposal)
+        first[tokens[0]] += 1
+        if len(tokens) > 1:
+            second[tokens[1]] += 1
+        accepted += kept
+    p = target.softmax(-1)
+    stat_first, stat_second = chi_square(first, p), chi_square(second, p)
+    print(f"\nchi-square (df=5): first token {stat_first:.2f}, second {stat_second:.2f}; "
+          f"accepted {accepted / (2 * trials):.2f} of drafts")
+    assert stat_first < CHI2_DF5_P001 and stat_second < CHI2_DF5_P001
+    assert 0 < accepted < 2 * trials  # both branches of the rule ran
+
+
+def test_greedy_acceptance_keeps_the_agreeing_prefix_and_adds_the_full_model_token() -> None:
+    params = SamplingParams()
+    verify = torch.full((4, 5), -5.0)
+    for position, token in enumerate([1, 2, 4, 0]):  # the full model's argmax after each prefix
+        verify[position, token] = 5.0
+    proposal = Proposal(token_ids=[1, 2, 3])
+    tokens, logprobs, kept = accept(params, None, verify, [7, 8], proposal)
+    assert (tokens, kept) == ([1, 2, 4], 2)  # drafts 1, 2 agree; 3 is replaced by the model's 4
+    assert all(lp < 0 for lp in logprobs)
+    tokens, _, kept = accept(params, None, verify, [7, 8], Proposal(token_ids=[1, 2, 4]))
+    assert (tokens, kept) == ([1, 2, 4, 0], 3)  # all drafts agree: the bonus token follows
+
+
+def test_cost_model_prefers_long_drafts_only_when_acceptance_is_high() -> None:
+    cost = CostModel(step_s=0.030, verify_s=(0.030, 0.033, 0.036, 0.039, 0.042, 0.045, 0.048), layer_s=0.001)
+    k_high, speed_high = cost.best_k(0.95, 20)
+    k_low, speed_low = cost.best_k(0.2, 20)
+    assert k_high > k_low and speed_high > 1.0 > speed_low
+    assert cost.draft_s(20) == pytest.approx(0.010)
+    state = SpecState()
+    state.record(drafted=4, accepted=4)
+    state.record(drafted=4, accepted=1)
+    assert state.acceptance == (5 + 1) / (5 + 1 + 2)
