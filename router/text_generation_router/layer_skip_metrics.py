@@ -30,6 +30,9 @@ class LayerSkipMetrics:
     drafted_tokens: Gauge  # counter
     accepted_tokens: Gauge  # counter
     auto_off: Gauge  # counter
+    consistency_ratio: Gauge
+    rollbacks: Gauge  # counter
+    rollbacks_seen: float = 0.0  # the shard counts rollbacks; the counter follows its total
 
     @classmethod
     def build(cls, registry: CollectorRegistry, counter_names: list[str]) -> LayerSkipMetrics:
@@ -56,6 +59,10 @@ class LayerSkipMetrics:
             drafted_tokens=count("tgi_layer_skip_drafted_tokens", "Verified mode: draft tokens proposed"),
             accepted_tokens=count("tgi_layer_skip_accepted_tokens", "Verified mode: draft tokens accepted"),
             auto_off=count("tgi_layer_skip_auto_off", "Verified requests that stopped drafting (too slow)"),
+            consistency_ratio=Gauge("tgi_layer_skip_consistency_ratio",
+                                    "Lossy mode: exact-match ratio of shadow-checked requests over the window",
+                                    registry=registry),
+            rollbacks=count("tgi_layer_skip_rollbacks", "Automatic rollbacks of layer skipping to off"),
         )
 
     def set_policy(self, state: str, mode: str) -> None:
@@ -67,7 +74,13 @@ class LayerSkipMetrics:
         self.decision_duration.observe(report.stats.get("decision_ms", 0.0) / 1000)
 
     def observe_end(self, report: LayerSkip | None) -> int:
-        """Drafting statistics of a finished request; returns its accepted draft tokens."""
+        """Shadow-check and drafting statistics of a finished request; returns its accepted drafts."""
+        if report is not None and "shadow_consistency" in report.stats:
+            self.consistency_ratio.set(report.stats["shadow_consistency"])
+            total = report.stats.get("rollbacks", 0.0)
+            if total > self.rollbacks_seen:
+                self.rollbacks.inc(total - self.rollbacks_seen)
+                self.rollbacks_seen = total
         if report is None or report.mode != "verified" or "drafted" not in report.stats:
             return 0
         drafted, accepted = int(report.stats["drafted"]), int(report.stats["accepted"])

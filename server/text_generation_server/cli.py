@@ -103,15 +103,22 @@ def serve(
     layer_skip_mode: str = typer.Option("off", help="default layer-skip mode: off | shadow | lossy"),
     layer_skip_policy: Optional[str] = typer.Option(None, help="layer-skip policy JSON file"),  # noqa: UP045
     layer_skip_on_bad_policy: str = typer.Option("exit", help="exit | off: what a refused policy does"),
+    layer_skip_shadow_rate: float = typer.Option(0.0, help="fraction of greedy lossy requests re-run as off"),
+    layer_skip_shadow_window: int = typer.Option(20, help="comparisons in the consistency window"),
+    layer_skip_consistency_target: Optional[float] = typer.Option(  # noqa: UP045
+        None, help="roll back below this ratio (default: the policy's calibrated consistency)"),
 ) -> None:
     """Serve MODEL_ID over gRPC on the unix socket {uds_path}-{rank}."""
+    from .models.shadow_check import ShadowConfig
     from .models.skip_planner import LayerSkipConfig
 
     setup_logging(logger_level, json_output)
     try:
         model, config = _build(model_id, revision, sharded, quantize, speculate, dtype, kv_cache_dtype,
                                trust_remote_code, uds_path, max_input_tokens, runner,
-                               LayerSkipConfig(layer_skip_mode, layer_skip_policy, layer_skip_on_bad_policy))
+                               LayerSkipConfig(layer_skip_mode, layer_skip_policy, layer_skip_on_bad_policy,
+                                               ShadowConfig(layer_skip_shadow_rate, layer_skip_shadow_window,
+                                                            layer_skip_consistency_target)))
     except ValueError as err:
         logger.error(str(err))
         raise typer.Exit(1) from err

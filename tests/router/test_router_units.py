@@ -15,6 +15,7 @@ from text_generation_router.handshake import build_warmup_batch
 from text_generation_router.infer import Generation, Timing
 from text_generation_router.launcher import router_argv, shard_argv
 from text_generation_router.launcher_args import parse_args
+from text_generation_router.metrics import build_metrics, render
 from text_generation_router.queue import Budget, count_admissible
 from text_generation_router.responses import generate_headers, generate_json
 from text_generation_router.schemas import GenerateParameters
@@ -139,3 +140,22 @@ def test_layer_skip_report_in_details_and_headers() -> None:
     assert "layer_skip" not in generate_json(g, details=False, return_full_text=False, others=[])
     headers = generate_headers(g, Timing(), 2)
     assert headers["x-layer-skip-mode"] == "shadow" and headers["x-layers-skipped"] == "2"
+
+
+def test_layer_skip_metrics_follow_the_shard_reports() -> None:
+    metrics = build_metrics(100, 200)
+    skip = metrics.layer_skip
+    lossy = LayerSkip(mode="lossy", skipped_layers=[4, 7], rule="calm", max_score=0.1, mean_score=0.05,
+                      stats={"decision_ms": 0.2, "shadow_consistency": 0.5, "shadow_checks": 4, "rollbacks": 1})
+    skip.observe_plan(lossy)
+    assert skip.observe_end(lossy) == 0
+    skip.observe_end(lossy)  # the same total again: no second rollback
+    verified = LayerSkip(mode="verified", skipped_layers=[4], rule="default", max_score=0.0, mean_score=0.0,
+                         stats={"drafted": 10, "accepted": 6, "draft_length": 3, "auto_off": 1.0})
+    assert skip.observe_end(verified) == 6
+    text = render(metrics).decode()
+    assert 'tgi_layer_skip_plans{mode="lossy",rule="calm"} 1.0' in text
+    assert "tgi_layer_skip_consistency_ratio 0.5" in text
+    assert "tgi_layer_skip_rollbacks 1.0" in text and "# TYPE tgi_layer_skip_rollbacks counter" in text
+    assert "tgi_layer_skip_accepted_tokens 6.0" in text and "tgi_layer_skip_auto_off 1.0" in text
+    assert "tgi_layer_skip_acceptance_ratio_sum 0.6" in text

@@ -20,6 +20,7 @@ from ..stopping import FinishReason
 from .batch import NO_SKIP, CausalLMBatch, RequestState
 from .group_step import RowStep, plain_step, verified_step
 from .runner.base import Runner
+from .shadow_check import add_twins, compare_twins
 from .skip_planner import SkipPlanner
 from .speculative import MIN_CYCLES_BEFORE_AUTO_OFF, CostModel, SpecState
 
@@ -109,6 +110,7 @@ class CausalLM:
         generations = [self.request_generation(state, steps[state.id])
                        for state in batch.requests if not state.finished]
         self.adapt_drafting(batch, steps)
+        generations = self.check_shadows(batch, generations)
         alive = any(not s.finished for s in batch.requests)
         timings = StepTimings(forward_done - start, time.perf_counter_ns() - forward_done)
         return generations, (batch if alive else None), timings
@@ -122,6 +124,9 @@ class CausalLM:
             verified = plan.mode == "verified" and bool(plan.skipped)
             state.spec = SpecState() if verified else None
             keys[state.id] = (frozenset(), plan.skipped) if verified else (plan.applied, frozenset())
+        if self.planner.monitor is not None:
+            add_twins(batch, self.planner.monitor)
+            keys.update((s.id, NO_SKIP) for s in batch.requests if s.shadow_of is not None)
         batch.regroup(keys)
 
     def run_groups(self, batch: CausalLMBatch) -> dict[int, RowStep]:
@@ -155,6 +160,21 @@ class CausalLM:
                 stop_drafting.append(state.id)
         if stop_drafting:
             batch.move(stop_drafting, NO_SKIP)
+
+    def check_shadows(self, batch: CausalLMBatch, generations: list[Generation]) -> list[Generation]:
+        """Hide the shadow twins' generations, settle their comparisons, report the window."""
+        monitor = self.planner.monitor
+        if monitor is None:
+            return generations
+        twins = {s.id for s in batch.requests if s.shadow_of is not None}
+        if twins and compare_twins(batch, monitor):
+            self.planner.roll_back()
+        shown = [g for g in generations if g.request_id not in twins]
+        for g in shown:
+            if g.layer_skip is not None and g.generated_text is not None:
+                g.layer_skip.stats.update(shadow_consistency=monitor.consistency, shadow_checks=len(monitor.results),
+                                          rollbacks=monitor.rollbacks)
+        return shown
 
     def costs(self) -> CostModel:
         """The draft/verify cost model (measured once, at warmup or on first use)."""

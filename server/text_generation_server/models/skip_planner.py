@@ -4,13 +4,14 @@ It wraps the layerskip library's `Scheduler` (the same object users embed) with 
 configuration: the default mode, the policy file, and what to do when the policy is refused.
 A refused policy never leaves skipping half-on: the shard either exits (the default) or, with
 `--layer-skip-on-bad-policy off`, serves every request with skipping off and says so in its
-logs and in Info (`layer_skip_policy_state = "refused"`).
+logs and in Info (`layer_skip_policy_state = "refused"`). A policy that the online shadow
+checks find inconsistent is rolled back the same way (`"rolled_back"`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loguru import logger
 from torch import nn
@@ -18,6 +19,9 @@ from torch import nn
 from ..layerskip import Scheduler, SkipPlan
 from ..layerskip.plan import MODES
 from .batch import RequestState
+from .shadow_check import ShadowConfig, ShadowMonitor
+
+DEFAULT_CONSISTENCY_TARGET = 0.9  # when neither a flag nor the policy's calibration gives one
 
 BAD_POLICY_ACTIONS = ("exit", "off")
 
@@ -30,11 +34,13 @@ class LayerSkipConfig:
         mode: the default mode of requests that do not override it.
         policy_path: a policy JSON file; without one the decider never skips a layer.
         on_bad_policy: "exit" refuses to start with a bad policy; "off" serves with skipping off.
+        shadow: online shadow checks of lossy requests (see shadow_check.py).
     """
 
     mode: str = "off"
     policy_path: str | None = None
     on_bad_policy: str = "exit"
+    shadow: ShadowConfig = field(default_factory=ShadowConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -63,6 +69,18 @@ class SkipPlanner:
             self.scheduler = Scheduler.from_model(model, None, mode="off")
         if config.policy_path is not None and self.policy_state == "loaded":
             logger.info(f"Layer-skip policy {config.policy_path} aligned to the loaded model; mode {self.mode}")
+        self.monitor: ShadowMonitor | None = None
+        if config.shadow.rate > 0:
+            calibration = self.scheduler.policy.calibration
+            target = config.shadow.target
+            if target is None:
+                target = calibration.consistency if calibration is not None else DEFAULT_CONSISTENCY_TARGET
+            self.monitor = ShadowMonitor(config.shadow, target)
+
+    def roll_back(self) -> None:
+        """Stop skipping for every new request (the shadow checks found the policy inconsistent)."""
+        self.policy_state = "rolled_back"
+        self.mode = "off"
 
     @property
     def num_layers(self) -> int:
@@ -71,7 +89,7 @@ class SkipPlanner:
     def plan(self, state: RequestState) -> SkipPlan:
         """The request's plan; also records how long the decision took."""
         mode = state.layer_skip_mode or self.mode
-        if mode == "off" or self.policy_state == "refused":
+        if mode == "off" or self.policy_state in ("refused", "rolled_back"):
             return SkipPlan.off()
         start = time.perf_counter()
         plan = self.scheduler.plan(state.all_ids[: state.input_length], mode)

@@ -1,0 +1,156 @@
+"""Verified mode on the real default model: greedy output equals `off`, token for token.
+
+Drafting is forced on for the whole run (`auto_off = False`), so every step is a real
+draft-verify cycle; the policy drafts with 6 of 30 layers bypassed. float32 checks all 30
+prompts of `prompt_sets.ALL`; nf4 (bitsandbytes 4-bit matmuls are slow on this CPU) checks
+every other prompt by default, all 30 with TGI_FULL_EXACTNESS=1.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from policies import SIX_LAYERS, write_policy
+from prompt_sets import ALL, chat_text
+from test_layer_skip_shard import make_lm, run
+
+from text_generation_server.models.batch import CausalLMBatch
+from text_generation_server.models.causal_lm import CausalLM
+from text_generation_server.models.loading import LoadConfig, load_model
+from text_generation_server.models.runner.kv_cache import KVCache
+
+from factories import make_batch, make_request
+
+NEW_TOKENS = 64
+
+
+def divergence(lm: CausalLM, prompt: str, expected: list[int], got: list[int]) -> str:
+    """Where two greedy runs part, with the full model's top-2 logit margin there."""
+    position = next(i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b)
+    ids = lm.tokenizer(prompt)["input_ids"] + expected[:position]
+    cache = lm.runner.new_cache(1)
+    logits = lm.runner.forward(torch.tensor([ids]), torch.arange(len(ids))[None], torch.ones((1, len(ids)),
+                               dtype=torch.long), cache)[0, -1]
+    top = torch.topk(logits, 2).values
+    return f"first divergence at token {position}: off {expected[position]}, verified {got[position]}, " \
+           f"top-2 logit margin {float(top[0] - top[1]):.2e}"
+
+
+class Pair:
+    """An `off` and a `verified` CausalLM over one loaded model."""
+
+    def __init__(self, model_path: Path, quantize: str | None, tmp: Path, every: int = 1) -> None:
+        model = load_model(model_path, LoadConfig(quantize=quantize))
+        policy = write_policy(model, tmp / "policy.json", SIX_LAYERS)
+        self.off = make_lm(model_path, model, "off", None)
+        self.verified = make_lm(model_path, model, "verified", policy)
+        self.verified.auto_off = False
+        self.prompts = {i: chat_text(self.off.tokenizer, p) for i, (_, p) in enumerate(ALL) if i % every == 0}
+        self.expected = {i: run(self.off, [make_request(i, p, NEW_TOKENS)])[0][i] for i, p in self.prompts.items()}
+
+    def check(self, tokens: dict[int, list[int]]) -> None:
+        failures = [f"prompt {i} ({ALL[i][0]}): {divergence(self.off, self.prompts[i], self.expected[i], got)}"
+                    for i, got in tokens.items() if got != self.expected[i]]
+        assert not failures, "\n".join(failures)
+
+
+@pytest.fixture(scope="module")
+def fp32(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    return Pair(model_path, None, tmp_path_factory.mktemp("fp32"))
+
+
+@pytest.fixture(scope="module")
+def nf4(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    every = 1 if os.environ.get("TGI_FULL_EXACTNESS") == "1" else 2
+    return Pair(model_path, "bitsandbytes-nf4", tmp_path_factory.mktemp("nf4"), every)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "nf4"])
+def test_greedy_verified_alone_equals_off(precision: str, request: pytest.FixtureRequest) -> None:
+    pair: Pair = request.getfixturevalue(precision)
+    assert len(pair.prompts) >= (30 if precision == "fp32" else 15)
+    assert {ALL[i][0] for i in pair.prompts} == {"chat", "reasoning", "code", "greeting", "long"}
+    tokens, drafted, accepted = {}, 0, 0
+    for i, prompt in pair.prompts.items():
+        out, _, _, reports = run(pair.verified, [make_request(i, prompt, NEW_TOKENS)])
+        tokens[i] = out[i]
+        drafted += int(reports[i].stats["drafted"])  # type: ignore[attr-defined]
+        accepted += int(reports[i].stats["accepted"])  # type: ignore[attr-defined]
+    print(f"\n{precision}: {len(tokens)} prompts, {drafted} drafted, {accepted} accepted "
+          f"({accepted / max(drafted, 1):.2f})")
+    assert drafted > 0 and accepted > 0
+    pair.check(tokens)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "nf4"])
+def test_greedy_verified_in_a_mixed_batch_equals_off(precision: str, request: pytest.FixtureRequest) -> None:
+    pair: Pair = request.getfixturevalue(precision)
+    requests = []
+    for i, prompt in pair.prompts.items():
+        r = make_request(i, prompt, NEW_TOKENS)
+        r.layer_skip_mode = "off" if i % 5 == 0 else ("shadow" if i % 5 == 1 else "")  # mixed modes
+        requests.append(r)
+    tokens, _, _, _ = run(pair.verified, requests)
+    pair.check(tokens)
+
+
+def test_stop_sequence_and_length_inside_an_accepted_run(fp32: Pair) -> None:
+    prompt = chat_text(fp32.off.tokenizer, "Hello")
+    full = fp32.off.tokenizer.decode(fp32.expected[ALL.index(("greeting", "Hello"))])
+    stop = full.split()[3]  # a word in the middle of the greeting's answer
+    for kwargs in ({"stop": (stop,)}, {}):
+        for max_new in (2, 5, 9):
+            outcomes = []
+            for lm in (fp32.off, fp32.verified):
+                batch = CausalLMBatch.from_pb(make_batch(1, [make_request(1, prompt, max_new, **kwargs)]),  # type: ignore[arg-type]
+                                              lm.tokenizer, 30, lm.eos_token_ids, 1000)
+                current: CausalLMBatch | None = batch
+                ids, final = [], None
+                while current is not None:
+                    generations, current, _ = lm.generate_token(current)
+                    ids.extend(generations[0].tokens.ids)
+                    final = generations[0].generated_text or final
+                outcomes.append((ids, final))
+            assert outcomes[0] == outcomes[1], f"stop={kwargs} max_new_tokens={max_new}"
+
+
+def test_seeded_verified_sampling_is_reproducible(fp32: Pair) -> None:
+    prompt = chat_text(fp32.off.tokenizer, "Tell me a story about a dragon.")
+
+    def sample(seed: int) -> tuple[list[int], float]:
+        r = make_request(1, prompt, 24, do_sample=True, seed=seed, temperature=0.7, top_k=20)
+        tokens, _, _, reports = run(fp32.verified, [r])
+        return tokens[1], reports[1].stats["drafted"]  # type: ignore[attr-defined]
+
+    first, again = sample(11), sample(11)
+    assert first == again and first[1] > 0
+    assert sample(12)[0] != first[0]
+
+
+def test_cache_holds_exactly_the_accepted_tokens(fp32: Pair) -> None:
+    """After verified steps with per-row rejections, each row's unmasked cache columns equal
+    the cache `off` builds for the same tokens."""
+    prompts = [fp32.prompts[0], fp32.prompts[8]]  # a chat question and a reasoning one
+    batch = CausalLMBatch.from_pb(make_batch(1, [make_request(i, p, 24) for i, p in enumerate(prompts)]),
+                                  fp32.verified.tokenizer, 30, fp32.verified.eos_token_ids, 1000)
+    current: CausalLMBatch | None = batch
+    for _ in range(4):
+        assert current is not None
+        _, current, _ = fp32.verified.generate_token(current)
+    assert current is not None
+    (group,) = current.groups
+    assert group.draft_skip == SIX_LAYERS
+    for row, state in enumerate(current.requests):
+        columns = group.attention_mask[row].nonzero().flatten()
+        ids = state.all_ids[:-1]  # the last token is pending, not yet in the cache
+        assert len(columns) == len(ids)
+        reference = KVCache(1, 30)
+        fp32.off.runner.forward(torch.tensor([ids]), torch.arange(len(ids))[None],
+                                torch.ones((1, len(ids)), dtype=torch.long), reference)
+        for layer in (0, 4, 29):
+            keys, _ = group.cache.layer(layer)  # type: ignore[misc]
+            ref_keys, _ = reference.layer(layer)  # type: ignore[misc]
+            torch.testing.assert_close(keys[row][:, columns], ref_keys[0], atol=1e-4, rtol=1e-4)
