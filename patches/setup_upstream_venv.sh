@@ -17,6 +17,8 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 PYTHON=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 UPSTREAM=$(cd "$UPSTREAM" && pwd)
+mkdir -p "$(dirname "$VENV")"
+VENV="$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")"
 SERVER="$UPSTREAM/server"
 
 if [ ! -f "$SERVER/pyproject.toml" ] || [ ! -f "$UPSTREAM/proto/v3/generate.proto" ]; then

@@ -40,10 +40,12 @@ def check_upstream(causal_lm: ModuleType) -> str:
     if model_class is None or batch_class is None:
         problems.append("causal_lm has no CausalLM / CausalLMBatch")
     else:
-        if _params(model_class.generate_token) != GENERATE_TOKEN_PARAMS:
-            problems.append(f"CausalLM.generate_token{inspect.signature(model_class.generate_token)}")
-        if _params(model_class.forward) != FORWARD_PARAMS:
-            problems.append(f"CausalLM.forward{inspect.signature(model_class.forward)}")
+        for name, expected in (("generate_token", GENERATE_TOKEN_PARAMS), ("forward", FORWARD_PARAMS)):
+            method = getattr(model_class, name, None)
+            if method is None:
+                problems.append(f"CausalLM has no {name}")
+            elif _params(method) != expected:
+                problems.append(f"CausalLM.{name}{inspect.signature(method)}")
         annotations = getattr(batch_class, "__annotations__", {})
         missing = [f for f in BATCH_FIELDS if f not in annotations]
         if missing:

@@ -24,6 +24,9 @@ from .compat import check_upstream
 from .config import PatchConfig
 
 PATCHED = "__tgi_layerskip_patched__"
+# Requests the router cancels are filtered out of upstream's batch without a final generation,
+# so their plans are never finished; the oldest are forgotten beyond this many (ids only grow).
+MAX_TRACKED_REQUESTS = 4096
 
 
 # Upstream's serve command keeps only loguru records whose module name starts with
@@ -62,24 +65,33 @@ class LayerSkip:
         _log(f"layer-skip patch active: mode={config.mode} policy={config.policy or 'none'} "
              f"layers={self.scheduler.num_layers}")
 
-    def plan_new(self, batch: Any) -> None:
-        """At prefill (no KV cache yet) every request of the batch is new: plan each one."""
+    def plan_new(self, batch: Any) -> list[SkipPlan] | None:
+        """At prefill (no KV cache yet) every request of the batch is new: plan each one.
+
+        Returns the plans in row order (warmup batches repeat request id 0, so a prefill uses
+        its own list), or None for a decode step (plans are then looked up by request id).
+        """
         if batch.past_key_values is not None:
-            return
+            return None
         input_ids = batch.input_ids  # [batch, seq], left-padded
         mask = batch.attention_mask[:, : input_ids.shape[1]]  # [batch, seq]
         plans = self.scheduler.plan_batch(input_ids, mask)
         for request, plan in zip(batch.requests, plans, strict=True):
+            self.plans.pop(request.id, None)  # a reused id (warmup's 0) counts as newest
             self.plans[request.id] = plan
             self.num_bypassed[request.id] = 0
             self.num_steps[request.id] = 0
             self._report({"event": "plan", "request_id": request.id, **plan.to_json(),
                           "applied_layers": sorted(plan.applied)})
+        for request_id in list(self.plans)[: max(0, len(self.plans) - MAX_TRACKED_REQUESTS)]:
+            del self.plans[request_id], self.num_bypassed[request_id], self.num_steps[request_id]
+        return plans
 
     @contextmanager
-    def applying(self, batch: Any) -> Iterator[None]:
+    def applying(self, batch: Any, plans: list[SkipPlan] | None) -> Iterator[None]:
         """Arm the layer hooks with this step's rows; count the bypasses they make."""
-        plans = [self.plans.get(r.id, SkipPlan.off()) for r in batch.requests]
+        if plans is None:
+            plans = [self.plans.get(r.id, SkipPlan.off()) for r in batch.requests]
         rows: dict[int, torch.Tensor] = {}
         for index in sorted(set().union(*(p.applied for p in plans))):
             rows[index] = torch.tensor([index in p.applied for p in plans], dtype=torch.bool)
@@ -139,8 +151,7 @@ def _wrap_generate_token(original: Callable[..., Any], config: PatchConfig) -> C
         skip: LayerSkip | None = self.__dict__.get("_tgi_layerskip")
         if skip is None:
             skip = self.__dict__["_tgi_layerskip"] = LayerSkip(self.model, config)
-        skip.plan_new(batch)
-        with skip.applying(batch):
+        with skip.applying(batch, skip.plan_new(batch)):
             generations, next_batch, timings = original(self, batch)
         skip.finish(generations)
         return generations, next_batch, timings
