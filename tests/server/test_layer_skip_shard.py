@@ -17,6 +17,15 @@ import torch
 from policies import SHORT_PROMPT_TOKENS, SIX_LAYERS, TWO_LAYERS, write_policy
 
 from text_generation_server.download import DEFAULT_MODEL_ID
+from text_generation_server.layerskip import (
+    IdentityMap,
+    Policy,
+    Rule,
+    RuleTable,
+    bypassed,
+    find_decoder_layers,
+    save_policy,
+)
 from text_generation_server.models.batch import CausalLMBatch
 from text_generation_server.models.causal_lm import CausalLM
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
@@ -216,3 +225,25 @@ def test_shard_reports_plans_over_grpc(policy_path: Path) -> None:
             stub.Prefill(generate_pb2.PrefillRequest(batch=make_batch(2, [bogus])))
     finally:
         process.stop()
+
+
+def test_graceful_bypass_adds_the_policy_biases(model_path: Path, hf_model: torch.nn.Module, tmp_path: Path) -> None:
+    """The shard's graceful bypass equals the library's reference executor on the transformers model."""
+    identity = IdentityMap.from_model(hf_model)
+    table = RuleTable((), Rule("default", (), SIX_LAYERS), identity.num_layers)
+    generator = torch.Generator().manual_seed(0)
+    biases = {i: 0.05 * torch.randn(576, generator=generator) for i in SIX_LAYERS}
+    policy = save_policy(Policy.from_table(identity, table, bypass="graceful"), tmp_path / "graceful.json", biases)
+    lm = make_lm(model_path, hf_model, "lossy", policy)
+    assert set(lm.planner.biases) == SIX_LAYERS
+    ids = lm.tokenizer(LONG_PROMPT)["input_ids"]
+    n = len(ids)
+    shard_logits = lm.runner.forward(torch.tensor([ids]), torch.arange(n)[None], torch.ones((1, n), dtype=torch.long),
+                                     lm.runner.new_cache(1), skip_layers=SIX_LAYERS,
+                                     bypass_biases=lm.planner.biases)[0, -1]
+    with torch.no_grad(), bypassed(find_decoder_layers(hf_model).modules, SIX_LAYERS, biases):
+        reference = hf_model(input_ids=torch.tensor([ids])).logits[0, -1]
+    strict = lm.runner.forward(torch.tensor([ids]), torch.arange(n)[None], torch.ones((1, n), dtype=torch.long),
+                               lm.runner.new_cache(1), skip_layers=SIX_LAYERS)[0, -1]
+    torch.testing.assert_close(shard_logits, reference.float(), atol=1e-4, rtol=1e-4)
+    assert float((shard_logits - strict).abs().max()) > 1e-2  # the biases really were added

@@ -137,9 +137,9 @@ class CausalLM:
             states = [by_id[rid] for rid in group.request_ids]
             if group.draft_skip and group.cache.length:
                 k = max(s.spec.k for s in states if s.spec is not None)
-                steps.update(verified_step(self.runner, group, states, k))
+                steps.update(verified_step(self.runner, group, states, k, self.planner.biases))
             else:
-                steps.update(plain_step(self.runner, group, states))
+                steps.update(plain_step(self.runner, group, states, self.planner.biases))
         return steps
 
     def adapt_drafting(self, batch: CausalLMBatch, steps: dict[int, RowStep]) -> None:

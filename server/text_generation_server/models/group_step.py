@@ -5,6 +5,7 @@ next step."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -34,13 +35,16 @@ class RowStep:
     accepted: int = 0
 
 
-def plain_step(runner: Runner, group: PlanGroup, states: list[RequestState]) -> dict[int, RowStep]:
+Biases = Mapping[int, torch.Tensor]  # graceful bypass: layer index -> mean residual update [hidden]
+
+
+def plain_step(runner: Runner, group: PlanGroup, states: list[RequestState], biases: Biases) -> dict[int, RowStep]:
     """One forward of the group with its skip set, one token per row."""
     prefill = group.cache.length == 0
     all_positions = prefill and any(s.prefill_logprobs for s in states)
     input_ids, position_ids, mask = group.forward_inputs()
     logits = runner.forward(input_ids, position_ids, mask, group.cache, last_only=not all_positions,
-                            skip_layers=group.skip)  # [rows, 1 | new, vocab]
+                            skip_layers=group.skip, bypass_biases=biases)  # [rows, 1 | new, vocab]
     last = logits[:, -1]  # [rows, vocab]
     if all(s.chooser.params.is_plain_greedy for s in states):
         logprobs = last.log_softmax(-1)
@@ -56,7 +60,8 @@ def plain_step(runner: Runner, group: PlanGroup, states: list[RequestState]) -> 
     }
 
 
-def verified_step(runner: Runner, group: PlanGroup, states: list[RequestState], k: int) -> dict[int, RowStep]:
+def verified_step(runner: Runner, group: PlanGroup, states: list[RequestState], k: int,
+                  biases: Biases) -> dict[int, RowStep]:
     """A draft-verify cycle of k drafts for every row of a prefilled group."""
     cache, start = group.cache, group.cache.length
     rows = group.num_rows
@@ -64,7 +69,8 @@ def verified_step(runner: Runner, group: PlanGroup, states: list[RequestState], 
     ids, mask = group.pending_ids, torch.cat([group.attention_mask, group.pending_mask], 1)
     for _ in range(k):  # drafts: the group's draft layers bypassed
         positions = (mask.cumsum(1) - 1)[:, -1:]
-        logits = runner.forward(ids, positions, mask, cache, skip_layers=group.draft_skip)[:, -1]  # [rows, vocab]
+        logits = runner.forward(ids, positions, mask, cache, skip_layers=group.draft_skip,
+                                bypass_biases=biases)[:, -1]  # [rows, vocab]
         drafted = [draft_token(s.chooser.params, s.chooser.generator, logits[row], s.all_ids + p.token_ids, p)
                    for row, (s, p) in enumerate(zip(states, proposals, strict=True))]
         ids = torch.tensor(drafted, dtype=torch.long)[:, None]

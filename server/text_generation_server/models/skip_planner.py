@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
 from loguru import logger
 from torch import nn
 
@@ -69,6 +70,9 @@ class SkipPlanner:
             self.scheduler = Scheduler.from_model(model, None, mode="off")
         if config.policy_path is not None and self.policy_state == "loaded":
             logger.info(f"Layer-skip policy {config.policy_path} aligned to the loaded model; mode {self.mode}")
+        policy = self.scheduler.policy
+        # Graceful bypass: a skipped layer adds its mean residual update (from the sidecar).
+        self.biases: dict[int, torch.Tensor] = dict(policy.biases) if policy.bypass == "graceful" else {}
         self.monitor: ShadowMonitor | None = None
         if config.shadow.rate > 0:
             calibration = self.scheduler.policy.calibration

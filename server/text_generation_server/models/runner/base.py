@@ -6,6 +6,7 @@ and updates the same `KVCache`, so that the batch code never knows which one run
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -34,6 +35,7 @@ class Runner(Protocol):
         cache: KVCache,
         last_only: bool = True,
         skip_layers: frozenset[int] = frozenset(),
+        bypass_biases: Mapping[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run the new tokens, append their keys/values to `cache` and advance it.
 
@@ -41,6 +43,8 @@ class Runner(Protocol):
             last_only: return logits of the last position only (`[rows, 1, vocab]`), else of
                 every new position (`[rows, new, vocab]`).
             skip_layers: decoder layer indices to bypass (their cache entries stay None).
+            bypass_biases: graceful bypass: a skipped layer with an entry adds it (`[hidden]`,
+                the layer's mean residual update) instead of passing the hidden state through.
         Returns:
             float32 logits.
         """

@@ -20,7 +20,7 @@ because their sizes grow every step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,6 +191,7 @@ class FastLlamaRunner:
         cache: KVCache,
         last_only: bool = True,
         skip_layers: frozenset[int] = frozenset(),
+        bypass_biases: Mapping[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         rows, new = input_ids.shape
         expected = (rows, cache.length + new)
@@ -204,6 +205,8 @@ class FastLlamaRunner:
             window: additive_mask(attention_mask, new, window, self.dtype) for window in set(self.spec.sliding_windows)}
         for i, layer in enumerate(self.layers):
             if i in skip_layers:  # bypass: the hidden state passes through, no cache for it
+                if bypass_biases and i in bypass_biases:  # graceful: add the mean residual update
+                    h = h + bypass_biases[i].to(h.dtype)
                 continue
             cos, sin = ropes[self.spec.rope_keys[i]]
             h = self._layer(i, layer, h, cos, sin, masks[self.spec.sliding_windows[i]], cache)

@@ -8,6 +8,8 @@ use that one instead.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -40,6 +42,7 @@ class TransformersRunner:
         cache: KVCache,
         last_only: bool = True,
         skip_layers: frozenset[int] = frozenset(),
+        bypass_biases: Mapping[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if skip_layers:
             raise ValueError(
