@@ -63,3 +63,16 @@ test-upstream: install
 		UPSTREAM_TGI="$(abspath $(UPSTREAM_TGI))" UPSTREAM_VENV="$(abspath $(UPSTREAM_VENV))" \
 			$(VENV)/bin/pytest -p no:cacheprovider -ra tests/upstream; \
 	fi
+
+# Layer-skip calibration on the default model: profile -> sweep -> calibrate -> consistency.
+# Reports land in $(CALIBRATION_DIR) (gitignored); docs/calibration/ holds the committed copies.
+CALIBRATION_DIR ?= reports/calibration
+LAYERSKIP_THREADS ?= 1
+LAYERSKIP := $(VENV)/bin/text-generation-server layerskip
+.PHONY: calibrate
+calibrate: install
+	$(LAYERSKIP) profile $(MODEL_ID) --out $(CALIBRATION_DIR) --max-prompts 12 --threads $(LAYERSKIP_THREADS)
+	$(LAYERSKIP) sweep $(MODEL_ID) --profile $(CALIBRATION_DIR)/profile.csv --out $(CALIBRATION_DIR) --max-k 4 --threads $(LAYERSKIP_THREADS)
+	$(LAYERSKIP) calibrate $(MODEL_ID) --sweep-dir $(CALIBRATION_DIR) --out $(CALIBRATION_DIR)/policy.json --threads $(LAYERSKIP_THREADS)
+	$(LAYERSKIP) verify $(CALIBRATION_DIR)/policy.json --model-id $(MODEL_ID) --split heldout --out $(CALIBRATION_DIR) --threads $(LAYERSKIP_THREADS)
+	$(LAYERSKIP) consistency $(MODEL_ID) --policy $(CALIBRATION_DIR)/policy.json --out $(CALIBRATION_DIR)/consistency --max-prompts 8 --threads $(LAYERSKIP_THREADS)

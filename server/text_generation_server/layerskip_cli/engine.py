@@ -64,7 +64,9 @@ class Engine:
         model = load_model(path, LoadConfig(quantize=spec.quantize, dtype=spec.dtype))
         torch.set_grad_enabled(False)
         runner = build_runner(model, "auto")
-        return Engine(spec, model, load_tokenizer(path), runner if runner.name.startswith("fast") else None)
+        engine = Engine(spec, model, load_tokenizer(path), runner if runner.name.startswith("fast") else None)
+        engine.identity  # noqa: B018  (fingerprint before the first forward: bitsandbytes repacks 4-bit weights then)
+        return engine
 
     @property
     def backend(self) -> str:

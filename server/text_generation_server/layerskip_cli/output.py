@@ -40,7 +40,7 @@ def note(message: str) -> None:
 
 def _plain(value: Any) -> Any:
     if isinstance(value, float):
-        return None if not math.isfinite(value) else round(value, 6)
+        return None if not math.isfinite(value) else value  # full precision: thresholds are compared exactly
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -49,7 +49,7 @@ def _plain(value: Any) -> Any:
 
 
 def write_json(path: Path, data: Any) -> Path:
-    """JSON with non-finite floats as null (strict JSON), 6 decimals."""
+    """JSON with non-finite floats as null (strict JSON)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_plain(data), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return path
