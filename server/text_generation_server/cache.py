@@ -15,6 +15,13 @@ class Cache:
             raise ValueError(f"Batch ID {batch_id} not found in cache.")
         return batch
 
+    def pop_all(self, batch_ids: list[int]) -> list[CausalLMBatch]:
+        """Pop several batches, or none of them when one is missing (nothing is lost)."""
+        missing = [i for i in batch_ids if i not in self.batches]
+        if missing:
+            raise ValueError(f"Batch ID {missing[0]} not found in cache.")
+        return [self.batches.pop(i) for i in batch_ids]
+
     def set(self, batch: CausalLMBatch | None) -> None:
         if batch is not None and batch.requests:
             self.batches[batch.batch_id] = batch

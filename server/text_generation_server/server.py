@@ -29,6 +29,7 @@ from .models.speculative import MAX_DRAFT
 from .pb import generate_pb2, generate_pb2_grpc
 
 T = TypeVar("T")
+R = TypeVar("R", generate_pb2.PrefillResponse, generate_pb2.DecodeResponse)
 
 
 @dataclass(frozen=True)
@@ -181,14 +182,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         return await self._call(context, self._prefill, request, time.perf_counter_ns())
 
     def _prefill(self, request: generate_pb2.PrefillRequest, start_ns: int) -> generate_pb2.PrefillResponse:
-        batch = self._from_pb(request.batch)
-        generations, next_batch, timings = self.model.generate_token(batch)
-        self.cache.set(next_batch)
-        return generate_pb2.PrefillResponse(
-            generations=[generation_to_pb(g) for g in generations],
-            batch=next_batch.to_pb() if next_batch is not None else None,
-            forward_ns=timings.forward_ns, decode_ns=timings.decode_ns,
-            total_ns=time.perf_counter_ns() - start_ns)
+        return self._step(self._from_pb(request.batch), generate_pb2.PrefillResponse, start_ns)
 
     async def Decode(self, request: generate_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> generate_pb2.DecodeResponse:
@@ -197,21 +191,26 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
     def _decode(self, request: generate_pb2.DecodeRequest, start_ns: int) -> generate_pb2.DecodeResponse:
         if not request.batches:
             raise ValueError("Decode needs at least one batch")
-        batches = [self.cache.pop(b.id) for b in request.batches]
-        concat_ns = None
-        if len(batches) > 1:
-            concat_start = time.perf_counter_ns()
-            batch = CausalLMBatch.concatenate(batches)
-            concat_ns = time.perf_counter_ns() - concat_start
-        else:
-            batch = batches[0]
+        batches = self.cache.pop_all([b.id for b in request.batches])
+        if len(batches) == 1:
+            return self._step(batches[0], generate_pb2.DecodeResponse, start_ns)
+        concat_start = time.perf_counter_ns()
+        batch = CausalLMBatch.concatenate(batches)
+        concat_ns = time.perf_counter_ns() - concat_start
+        return self._step(batch, generate_pb2.DecodeResponse, start_ns, concat_ns)
+
+    def _step(self, batch: CausalLMBatch, response: type[R], start_ns: int, concat_ns: int | None = None) -> R:
+        """One generate_token step; caches the batch that goes on and builds the response."""
         generations, next_batch, timings = self.model.generate_token(batch)
         self.cache.set(next_batch)
-        return generate_pb2.DecodeResponse(
-            generations=[generation_to_pb(g) for g in generations],
-            batch=next_batch.to_pb() if next_batch is not None else None,
-            forward_ns=timings.forward_ns, decode_ns=timings.decode_ns,
-            total_ns=time.perf_counter_ns() - start_ns, concat_ns=concat_ns)
+        out = response(generations=[generation_to_pb(g) for g in generations],
+                       forward_ns=timings.forward_ns, decode_ns=timings.decode_ns)
+        if next_batch is not None:
+            out.batch.CopyFrom(next_batch.to_pb())
+        if concat_ns is not None:
+            out.concat_ns = concat_ns
+        out.total_ns = time.perf_counter_ns() - start_ns
+        return out
 
 
 async def serve_model(model: CausalLM, config: ServeConfig) -> None:

@@ -181,3 +181,14 @@ def test_empty_filter_list_keeps_the_batch(shard: Stub) -> None:
     step = shard.Decode(generate_pb2.DecodeRequest(batches=[prefill.batch]))  # still cached
     assert len(step.generations) == 1
     shard.ClearCache(generate_pb2.ClearCacheRequest(id=720))
+
+
+def test_decode_with_a_missing_batch_loses_nothing(shard: Stub) -> None:
+    prefill = shard.Prefill(generate_pb2.PrefillRequest(batch=make_batch(730, [make_request(731, "Hello", 5)])))
+    missing = generate_pb2.CachedBatch(id=739, request_ids=[1], size=1)
+    with pytest.raises(grpc.RpcError) as err:
+        shard.Decode(generate_pb2.DecodeRequest(batches=[prefill.batch, missing]))
+    assert err.value.details() == "Batch ID 739 not found in cache."
+    step = shard.Decode(generate_pb2.DecodeRequest(batches=[prefill.batch]))  # batch 730 is still cached
+    assert [g.request_id for g in step.generations] == [731]
+    shard.ClearCache(generate_pb2.ClearCacheRequest(id=730))

@@ -21,6 +21,7 @@ from text_generation_server.models.batch import CausalLMBatch
 from text_generation_server.models.causal_lm import CausalLM
 from text_generation_server.models.loading import LoadConfig, load_model
 from text_generation_server.models.runner.kv_cache import KVCache
+from text_generation_server.models.speculative import MAX_DRAFT, MIN_CYCLES_BEFORE_AUTO_OFF, CostModel
 
 from factories import make_batch, make_request
 
@@ -43,8 +44,9 @@ class Pair:
     """An `off` and a `verified` CausalLM over one loaded model."""
 
     def __init__(self, model_path: Path, quantize: str | None, tmp: Path, every: int = 1) -> None:
-        model = load_model(model_path, LoadConfig(quantize=quantize))
-        policy = write_policy(model, tmp / "policy.json", SIX_LAYERS)
+        self.model_path = model_path
+        self.model = model = load_model(model_path, LoadConfig(quantize=quantize))
+        self.policy = policy = write_policy(model, tmp / "policy.json", SIX_LAYERS)
         self.off = make_lm(model_path, model, "off", None)
         self.verified = make_lm(model_path, model, "verified", policy)
         self.verified.auto_off = False
@@ -154,3 +156,17 @@ def test_cache_holds_exactly_the_accepted_tokens(fp32: Pair) -> None:
             keys, _ = group.cache.layer(layer)  # type: ignore[misc]
             ref_keys, _ = reference.layer(layer)  # type: ignore[misc]
             torch.testing.assert_close(keys[row][:, columns], ref_keys[0], atol=1e-4, rtol=1e-4)
+
+
+def test_auto_off_moves_slow_requests_to_plain_decoding(fp32: Pair) -> None:
+    """With a cost model where a draft costs a full step, drafting never pays: after the minimum
+    number of cycles each verified request moves to the plain group, and its output is unchanged."""
+    lm = make_lm(fp32.model_path, fp32.model, "verified", fp32.policy)  # auto_off on (the default)
+    lm.cost_model = CostModel(step_s=1.0, verify_s=(1.0,) * (MAX_DRAFT + 1), layer_s=0.0)
+    ids = [i for i, (name, _) in enumerate(ALL) if name == "chat"][:2]
+    requests = [make_request(i, fp32.prompts[i], NEW_TOKENS) for i in ids]
+    tokens, _, batch, reports = run(lm, requests)
+    for i in ids:
+        stats = reports[i].stats  # type: ignore[attr-defined]
+        assert stats["auto_off"] == 1.0 and stats["cycles"] == MIN_CYCLES_BEFORE_AUTO_OFF
+        assert tokens[i] == fp32.expected[i]
