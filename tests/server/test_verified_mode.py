@@ -2,8 +2,10 @@
 
 Drafting is forced on for the whole run (`auto_off = False`), so every step is a real
 draft-verify cycle; the policy drafts with 6 of 30 layers bypassed. float32 checks all 30
-prompts of `prompt_sets.ALL`; nf4 (bitsandbytes 4-bit matmuls are slow on this CPU) checks
-every other prompt by default, all 30 with TGI_FULL_EXACTNESS=1.
+prompts of `prompt_sets.ALL` and must match exactly; nf4 (bitsandbytes 4-bit matmuls are slow
+on this CPU) checks every other prompt by default, all 30 with TGI_FULL_EXACTNESS=1, and
+tolerates divergences only at near-ties that bitsandbytes' own numerics explain (see
+`tolerance`); every divergence is printed with its position and logit margin.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from factories import make_batch, make_request
 NEW_TOKENS = 64
 
 
-def divergence(lm: CausalLM, prompt: str, expected: list[int], got: list[int]) -> str:
+def divergence(lm: CausalLM, prompt: str, expected: list[int], got: list[int]) -> tuple[str, float]:
     """Where two greedy runs part, with the full model's top-2 logit margin there."""
     position = next(i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b)
     ids = lm.tokenizer(prompt)["input_ids"] + expected[:position]
@@ -36,8 +38,27 @@ def divergence(lm: CausalLM, prompt: str, expected: list[int], got: list[int]) -
     logits = lm.runner.forward(torch.tensor([ids]), torch.arange(len(ids))[None], torch.ones((1, len(ids)),
                                dtype=torch.long), cache)[0, -1]
     top = torch.topk(logits, 2).values
-    return f"first divergence at token {position}: off {expected[position]}, verified {got[position]}, " \
-           f"top-2 logit margin {float(top[0] - top[1]):.2e}"
+    margin = float(top[0] - top[1])
+    return (f"first divergence at token {position}: off {expected[position]}, verified {got[position]}, "
+            f"top-2 logit margin {margin:.2e}"), margin
+
+
+def multi_token_discrepancy(lm: CausalLM, prompt: str, k: int = 5) -> float:
+    """Max |logits| difference between one (k)-token forward and k one-token forwards of the same
+    tokens: what verification can differ by from plain decoding, for numerical reasons alone."""
+    ids = lm.tokenizer(prompt)["input_ids"]
+    n = len(ids)
+    cache = lm.runner.new_cache(1)
+    lm.runner.forward(torch.tensor([ids[: n - k]]), torch.arange(n - k)[None], torch.ones((1, n - k),
+                      dtype=torch.long), cache)
+    start = cache.length
+    multi = lm.runner.forward(torch.tensor([ids[n - k:]]), torch.arange(n - k, n)[None],
+                              torch.ones((1, n), dtype=torch.long), cache, last_only=False)[0]
+    cache.crop(start)
+    single = torch.stack([lm.runner.forward(torch.tensor([[ids[j]]]), torch.tensor([[j]]),
+                                            torch.ones((1, j + 1), dtype=torch.long), cache)[0, -1]
+                          for j in range(n - k, n)])
+    return float((multi - single).abs().max())
 
 
 class Pair:
@@ -52,10 +73,16 @@ class Pair:
         self.verified.auto_off = False
         self.prompts = {i: chat_text(self.off.tokenizer, p) for i, (_, p) in enumerate(ALL) if i % every == 0}
         self.expected = {i: run(self.off, [make_request(i, p, NEW_TOKENS)])[0][i] for i, p in self.prompts.items()}
+        self.discrepancy = multi_token_discrepancy(self.off, self.prompts[0])
 
-    def check(self, tokens: dict[int, list[int]]) -> None:
-        failures = [f"prompt {i} ({ALL[i][0]}): {divergence(self.off, self.prompts[i], self.expected[i], got)}"
-                    for i, got in tokens.items() if got != self.expected[i]]
+    def check(self, tokens: dict[int, list[int]], near_tie: float = 0.0) -> None:
+        """Tokens equal `off`'s, except at near-ties: a divergence whose top-2 margin in the `off`
+        run is at most `near_tie` is reported (printed) and tolerated; any other fails."""
+        report = {i: divergence(self.off, self.prompts[i], self.expected[i], got)
+                  for i, got in tokens.items() if got != self.expected[i]}
+        for i, (text, _) in report.items():
+            print(f"prompt {i} ({ALL[i][0]}): {text}")
+        failures = [f"prompt {i}: {text}" for i, (text, margin) in report.items() if margin > near_tie]
         assert not failures, "\n".join(failures)
 
 
@@ -68,6 +95,14 @@ def fp32(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Pair:
 def nf4(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Pair:
     every = 1 if os.environ.get("TGI_FULL_EXACTNESS") == "1" else 2
     return Pair(model_path, "bitsandbytes-nf4", tmp_path_factory.mktemp("nf4"), every)
+
+
+def tolerance(pair: Pair, precision: str) -> float:
+    """float32: none (exact). nf4: bitsandbytes' CPU 4-bit path computes a multi-token product
+    differently from one-token ones (measured here as `discrepancy`, ~0.4 logits against ~2e-5 in
+    float32), so a divergence is tolerated only at a near-tie within twice that discrepancy."""
+    print(f"\n{precision}: multi-token vs one-token forward logits differ by {pair.discrepancy:.2e}")
+    return 0.0 if precision == "fp32" else 2 * pair.discrepancy
 
 
 @pytest.mark.parametrize("precision", ["fp32", "nf4"])
@@ -84,7 +119,7 @@ def test_greedy_verified_alone_equals_off(precision: str, request: pytest.Fixtur
     print(f"\n{precision}: {len(tokens)} prompts, {drafted} drafted, {accepted} accepted "
           f"({accepted / max(drafted, 1):.2f})")
     assert drafted > 0 and accepted > 0
-    pair.check(tokens)
+    pair.check(tokens, tolerance(pair, precision))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "nf4"])
@@ -96,7 +131,7 @@ def test_greedy_verified_in_a_mixed_batch_equals_off(precision: str, request: py
         r.layer_skip_mode = "off" if i % 5 == 0 else ("shadow" if i % 5 == 1 else "")  # mixed modes
         requests.append(r)
     tokens, _, _, _ = run(pair.verified, requests)
-    pair.check(tokens)
+    pair.check(tokens, tolerance(pair, precision))
 
 
 def test_stop_sequence_and_length_inside_an_accepted_run(fp32: Pair) -> None:
