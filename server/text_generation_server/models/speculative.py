@@ -33,8 +33,8 @@ from ..sampling import SamplingParams, apply_penalties, apply_warpers
 from .runner.base import Runner
 
 MAX_DRAFT = 6  # the largest k; Info.speculate reports it
-INITIAL_DRAFT = 3
-MIN_CYCLES_BEFORE_AUTO_OFF = 3
+INITIAL_DRAFT = 1  # until acceptance is measured, the cheapest cycle
+MIN_CYCLES_BEFORE_AUTO_OFF = 2
 
 
 @dataclass
