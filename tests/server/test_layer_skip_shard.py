@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from policies import SHORT_PROMPT_TOKENS, SIX_LAYERS, TWO_LAYERS, write_policy
 
 from text_generation_server.download import DEFAULT_MODEL_ID
 from text_generation_server.layerskip import (
@@ -33,8 +32,9 @@ from text_generation_server.models.runner import build_runner
 from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner
 from text_generation_server.pb import generate_pb2
 
-from conftest import ShardProcess
 from factories import make_batch, make_request
+from policies import SHORT_PROMPT_TOKENS, SIX_LAYERS, TWO_LAYERS, write_policy
+from shard_process import ShardProcess
 
 LONG_PROMPT = "Explain in a few sentences why the sky is blue during the day and red at sunset."
 SHORT_PROMPT = "Hello there"

@@ -12,8 +12,8 @@ import pytest
 from text_generation_server.download import DEFAULT_MODEL_ID
 from text_generation_server.pb import generate_pb2
 
-from conftest import ShardProcess
 from factories import CHAT_FRANCE, make_request, run_to_completion
+from shard_process import ShardProcess
 
 
 @pytest.mark.parametrize("quantize", ["bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4"])

@@ -11,8 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from policies import SIX_LAYERS
-from prompt_sets import LONG, chat_text
 from test_layer_skip_shard import LONG_PROMPT
 
 from text_generation_server.download import DEFAULT_MODEL_ID
@@ -21,8 +19,10 @@ from text_generation_server.models.loading import LoadConfig, load_model, load_t
 from text_generation_server.models.shadow_check import ShadowConfig, ShadowMonitor
 from text_generation_server.pb import generate_pb2
 
-from conftest import ShardProcess
 from factories import make_batch, make_request
+from policies import SIX_LAYERS
+from prompt_sets import LONG, chat_text
+from shard_process import ShardProcess
 
 SHORT = ["Hi", "Hello", "Thanks", "Hey", "Yes", "Ok", "Why?", "Sure"]
 

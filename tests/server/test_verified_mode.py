@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from policies import SIX_LAYERS, write_policy
-from prompt_sets import ALL, chat_text
 from test_layer_skip_shard import make_lm, run
 
 from text_generation_server.models.batch import CausalLMBatch
@@ -26,6 +24,8 @@ from text_generation_server.models.runner.kv_cache import KVCache
 from text_generation_server.models.speculative import MAX_DRAFT, MIN_CYCLES_BEFORE_AUTO_OFF, CostModel
 
 from factories import make_batch, make_request
+from policies import SIX_LAYERS, write_policy
+from prompt_sets import ALL, chat_text
 
 NEW_TOKENS = 64
 
