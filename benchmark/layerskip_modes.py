@@ -22,9 +22,6 @@ import torch
 from common import write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from policies import write_policy  # noqa: E402
-from prompt_sets import CLASSES, chat_text  # noqa: E402
-
 from text_generation_server.download import DEFAULT_MODEL_ID, download_weights  # noqa: E402
 from text_generation_server.models.batch import CausalLMBatch  # noqa: E402
 from text_generation_server.models.causal_lm import CausalLM  # noqa: E402
@@ -33,6 +30,8 @@ from text_generation_server.models.runner import build_runner  # noqa: E402
 from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner  # noqa: E402
 
 from factories import make_batch, make_request  # noqa: E402
+from policies import write_policy  # noqa: E402
+from prompt_sets import CLASSES, chat_text  # noqa: E402
 
 
 def make_lm(path: Path, model: torch.nn.Module, mode: str, policy: Path | None) -> CausalLM:
