@@ -15,11 +15,10 @@ from typing import Annotated, Any
 import torch
 import typer
 
+from ..download import DEFAULT_MODEL_ID
 from .engine import Engine, ModelSpec
 from .output import note
 from .prompts import PromptSet, default_prompts_path, read_prompts, select
-
-DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Offline layer-skip tools: profile, sweep, calibrate, verify, consistency.")
