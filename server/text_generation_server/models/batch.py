@@ -209,9 +209,10 @@ class CausalLMBatch:
 
     def move(self, request_ids: list[int], key: GroupKey) -> None:
         """Move prefilled rows into the group of `key` (created if absent); same cache layers only."""
+        moving = set(request_ids)
         moved = []
         for group in list(self.groups):
-            ids = [rid for rid in group.request_ids if rid in set(request_ids)]
+            ids = [rid for rid in group.request_ids if rid in moving]
             if not ids:
                 continue
             assert group.skip == key[0], "rows move only between groups that cache the same layers"

@@ -88,7 +88,8 @@ class PlanGroup:
 
     def split(self, move_ids: list[int], key: GroupKey) -> PlanGroup:
         """Take the rows of `move_ids` out into a new group with `key` (same cache layers)."""
-        keep_ids = [rid for rid in self.request_ids if rid not in set(move_ids)]
+        moving = set(move_ids)
+        keep_ids = [rid for rid in self.request_ids if rid not in moving]
         moved = PlanGroup(key[0], list(self.request_ids), KVCache(self.cache.num_rows, self.cache.num_layers,
                                                                   self.cache.length, list(self.cache.keys),
                                                                   list(self.cache.values)),
