@@ -12,7 +12,8 @@ ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
-    PATH=/opt/tgi/bin:$PATH
+    PATH=/opt/tgi/bin:$PATH \
+    TGI_KERNEL_DIR=/opt/tgi-kernels
 
 WORKDIR /usr/src/tgi
 COPY server ./server
@@ -22,7 +23,17 @@ COPY scripts/install.sh ./scripts/install.sh
 # One install procedure for the image and the test suite (tests/deploy/test_install_script.py).
 # The default model is converted into /opt/tgi-models, outside /data, so a volume mounted at
 # /data cannot hide it; download-weights looks there second (TGI_PREBUILT_HUB_CACHE).
-RUN HUGGINGFACE_HUB_CACHE=/opt/tgi-models ./scripts/install.sh --convert-default-model /opt/tgi \
+# g++ is there only to compile the fast runner's CPU kernel into /opt/tgi-kernels (install.sh
+# runs `text-generation-server build-kernels`); the second build-kernels fails the image build
+# when that did not work, and g++ is removed again.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && HUGGINGFACE_HUB_CACHE=/opt/tgi-models ./scripts/install.sh --convert-default-model /opt/tgi \
+    && text-generation-server build-kernels \
+    && apt-get purge -y --auto-remove g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && chmod -R a+rX /opt/tgi-kernels \
     && rm -rf /usr/src/tgi/server/build /usr/src/tgi/router/build /root/.cache \
     && chmod -R a+rX /opt/tgi-models \
     && useradd --create-home --uid 1000 --user-group tgi \

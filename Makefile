@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): server/pyproject.toml router/pyproject.toml requirements-dev.txt constraints-cpu.txt
+$(STAMP): server/text_generation_server/models/runner/small_m_linear.cpp server/pyproject.toml router/pyproject.toml requirements-dev.txt constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints-cpu.txt torch==2.13.0
 	$(PIP) install -q -c constraints-cpu.txt -e "server[bnb]" -e router -r requirements-dev.txt
@@ -21,6 +21,9 @@ $(STAMP): server/pyproject.toml router/pyproject.toml requirements-dev.txt const
 	# The PyPI `text-generation` client pins huggingface-hub<1.0 (transformers 5 needs >=1):
 	# its code works with the newer hub, so it is installed without its dependencies.
 	$(PIP) install -q --no-deps text-generation==0.7.0
+	# The fast runner's AVX-512 kernel, compiled once (~40 s) so that no test or serve waits for it.
+	$(VENV)/bin/text-generation-server build-kernels \
+		|| echo "warning: the CPU kernel was not built; the fast runner will use torch's products"
 	touch $(STAMP)
 
 proto: install

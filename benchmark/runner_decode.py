@@ -3,7 +3,9 @@
 Contestants (torch threads fixed, default 2), each generating `--new-tokens` greedy tokens
 per sequence, EOS ignored, timed from the prompt to the last token:
 - `generate()`: transformers' generate on the fp32 model (min_new_tokens = max_new_tokens);
-- our fast runner in fp32, bf16, and fp32 with per-layer torch.compile (`--compile`);
+- our fast runner in fp32 and bf16 (AVX-512 small-matrix kernel), the same with every
+  product in torch ("torch-mm", the kernel's share), and fp32 with per-layer torch.compile
+  (`--compile`);
 - llama.cpp (llama-cpp-python in the benchmark-only venv, a subprocess per round) on the
   default model's GGUF: Q4_1 as shipped, and f32/f16 GGUFs made from it with llama.cpp's own
   quantize tool (Q4_1 dequantized: the same values as our safetensors checkpoint).
@@ -120,6 +122,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also time the per-layer torch.compile runner")
     parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--no-torch-mm", action="store_true", help="skip the runners without the AVX-512 kernel")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "runner_decode.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -130,6 +133,9 @@ def main() -> None:
     single = prompts[:1]
     runners: dict[str, Runner] = {"fast fp32": FastLlamaRunner(model),
                                   "fast bf16": FastLlamaRunner(model, FastRunnerConfig(dtype=torch.bfloat16))}
+    if not args.no_torch_mm:  # the same runners with every product in torch: the kernel's share
+        runners["fast fp32 torch-mm"] = FastLlamaRunner(model, FastRunnerConfig(kernels=False))
+        runners["fast bf16 torch-mm"] = FastLlamaRunner(model, FastRunnerConfig(dtype=torch.bfloat16, kernels=False))
     compile_s = None
     if args.compile:
         compiled = FastLlamaRunner(model, FastRunnerConfig(compile=True))

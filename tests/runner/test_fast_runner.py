@@ -4,7 +4,11 @@ Tolerances (max abs difference of logits, against TransformersRunner on the same
 - float32: 1e-4 on prefill and on every one of 64 decode steps; greedy tokens identical.
 - bfloat16 (the fast runner's weights cast to bf16) against the float32 reference: logits
   within BF16_TOLERANCE = 1.0 and the greedy token identical on at least 95% of
-  teacher-forced positions. For scale: on these prompts transformers' own bf16 model differs
+  teacher-forced positions on prefill (torch's products). On 32 teacher-forced decode steps
+  (the AVX-512 kernel's products where the CPU has it) the bf16 cache drifts further: logits
+  within BF16_DECODE_TOLERANCE = 2.0, same 95% agreement. Measured: 1.08 with the kernel,
+  1.59 with torch's bf16 products (which round activations the same way but accumulate
+  differently), agreement 0.99. For scale: on these prompts transformers' own bf16 model differs
   from its fp32 model by 1.30, the fast runner in bf16 by 0.67 (it normalizes in fp32-accurate
   fused RMSNorm and keeps the embedding scale exact).
 - bitsandbytes nf4: both runners call the same `Linear4bit` modules; the rest is fp32 math,
@@ -30,12 +34,14 @@ from text_generation_server.models.runner import (
     FastRunnerConfig,
     TransformersRunner,
     build_runner,
+    cpu_kernels,
 )
 
 from .batching import Stream, real_positions
 
 FP32_TOLERANCE = 1e-4
 BF16_TOLERANCE = 1.0
+BF16_DECODE_TOLERANCE = 2.0
 NF4_TOLERANCE = 1e-3
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "List three colors:"]
@@ -54,7 +60,10 @@ def prompts(model_path: Path) -> list[list[int]]:
 
 
 def test_build_runner_picks_fast_for_llama(model: PreTrainedModel) -> None:
-    assert isinstance(build_runner(model), FastLlamaRunner)
+    fast = build_runner(model)
+    assert isinstance(fast, FastLlamaRunner)
+    # Decode-size products go to the AVX-512 kernel exactly where this CPU can run it.
+    assert (fast.dims.kernel is not None) == (cpu_kernels.unavailable_reason() is None)
     assert isinstance(build_runner(model, "transformers"), TransformersRunner)
     with pytest.raises(ValueError, match="--runner bogus"):
         build_runner(model, "bogus")
@@ -141,6 +150,21 @@ def test_bf16_within_tolerance(model: PreTrainedModel, prompts: list[list[int]])
     agree = (fast_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()
     assert diff <= BF16_TOLERANCE, f"bf16 logits differ from fp32 by {diff}"
     assert agree >= 0.95, f"bf16 greedy agreement with fp32 {agree:.2f}"
+
+
+def test_bf16_decode_steps_within_tolerance(model: PreTrainedModel, prompts: list[list[int]]) -> None:
+    fast = FastLlamaRunner(model, FastRunnerConfig(dtype=torch.bfloat16))
+    fast_stream, _ = Stream.prefill(fast, prompts)
+    ref_stream, ref_logits = Stream.prefill(TransformersRunner(model), prompts)
+    next_ids = ref_logits[:, -1].argmax(-1)
+    diffs, agree = [], []
+    for _ in range(32):  # teacher-forced by the fp32 reference's greedy tokens
+        fast_step, ref_step = fast_stream.step(next_ids), ref_stream.step(next_ids)
+        diffs.append((fast_step - ref_step).abs().max())
+        agree.append((fast_step.argmax(-1) == ref_step.argmax(-1)).float().mean())
+        next_ids = ref_step.argmax(-1)
+    assert max(diffs) <= BF16_DECODE_TOLERANCE, f"bf16 decode logits differ from fp32 by up to {max(diffs)}"
+    assert sum(agree) / len(agree) >= 0.95, f"bf16 decode greedy agreement with fp32 {sum(agree) / len(agree):.2f}"
 
 
 def test_nf4_within_tolerance(model_path: Path, prompts: list[list[int]]) -> None:

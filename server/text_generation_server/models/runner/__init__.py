@@ -12,6 +12,7 @@ from typing import Any
 
 from loguru import logger
 
+from . import cpu_kernels
 from .base import Runner
 from .fast_llama import FastLlamaRunner, FastRunnerConfig
 from .fast_weights import FAST_MODEL_TYPES, unsupported_reason
@@ -21,7 +22,7 @@ from .transformers_runner import TransformersRunner
 RUNNER_KINDS = ("auto", "fast", "transformers")
 
 __all__ = ["FAST_MODEL_TYPES", "RUNNER_KINDS", "FastLlamaRunner", "FastRunnerConfig", "KVCache", "Runner",
-           "TransformersRunner", "build_runner"]
+           "TransformersRunner", "build_runner", "cpu_kernels"]
 
 
 def build_runner(model: Any, kind: str = "auto", config: FastRunnerConfig | None = None) -> Runner:

@@ -9,7 +9,10 @@ fewer, larger ops:
 - attention is `F.scaled_dot_product_attention` with grouped kv heads (no repeat_kv copy),
   reading the shared `KVCache` whose append writes in place;
 - logits are computed only for the positions asked for (the tied lm_head is ~20% of the
-  weights of the default model).
+  weights of the default model);
+- products with at most 16 rows of activations (every decode step up to batch 16) go to an
+  AVX-512 kernel (cpu_kernels.py) that streams the weights at memory bandwidth, where torch's
+  GEMM reaches half of it in bf16 and slows down 2.5x from 1 to 8 rows in fp32.
 The layer loop stays in Python, so `skip_layers` is a plain `continue` and an optional
 `torch.compile` of the two per-layer halves (`pre_attention`, `post_attention`) never
 recompiles for a new skip plan: every layer shares the same compiled graphs, with its own
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from loguru import logger
 
+from . import cpu_kernels
 from .fast_weights import ArchSpec, LayerWeights, Projection, norm_weight, read_layer, read_spec, rope_sources
 from .kv_cache import KVCache
 from .rope import RopeTable, apply_rope
@@ -42,10 +46,14 @@ class FastRunnerConfig:
             dtype copies the weights (used by benchmarks to load once and compare dtypes).
         compile: torch.compile the two halves of a decoder layer (inductor; needs a C
             compiler). The first forward of each shape class compiles (see README-runner).
+        kernels: use the AVX-512 small-matrix kernel where the CPU has it (cpu_kernels.py);
+            False keeps every product in torch (benchmarks compare both). Not combined with
+            compile, whose graphs call torch.
     """
 
     dtype: torch.dtype | None = None
     compile: bool = False
+    kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
@@ -61,10 +69,14 @@ class Dims:
     head_dim: int
     eps: float
     gelu: bool
+    kernel: cpu_kernels.SmallMLinear | None = None
 
 
-def linear(x: torch.Tensor, weight: Projection, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Projection, bias: torch.Tensor | None, dims: Dims) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
+        if dims.kernel is not None and cpu_kernels.usable(x, weight):
+            out = dims.kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
+            return out.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     if len(weight) == 1:  # bitsandbytes module: keeps its own bias and dtype handling
         return weight[0](x).to(x.dtype)
@@ -92,7 +104,7 @@ def pre_attention(
     """
     rows, new, _ = h.shape
     num_qk = dims.num_heads + dims.num_kv_heads
-    qkv_out = linear(rms_norm(h, norm, dims.eps), qkv, qkv_bias)
+    qkv_out = linear(rms_norm(h, norm, dims.eps), qkv, qkv_bias, dims)
     qkv_out = qkv_out.view(rows, new, num_qk + dims.num_kv_heads, dims.head_dim)
     qk, v = qkv_out[:, :, :num_qk], qkv_out[:, :, num_qk:]
     if q_norm is not None and k_norm is not None:
@@ -118,13 +130,13 @@ def post_attention(
     dims: Dims,
 ) -> torch.Tensor:
     """Output projection + residual, then the gated MLP + residual. Returns `[rows, new, hidden]`."""
-    out = linear(attn, o_proj, o_bias)
+    out = linear(attn, o_proj, o_bias, dims)
     if attn_out_norm is not None:
         out = rms_norm(out, attn_out_norm, dims.eps)
     h = h + out
-    gate, up = linear(rms_norm(h, mlp_in_norm, dims.eps), gate_up, gate_up_bias).chunk(2, dim=-1)
+    gate, up = linear(rms_norm(h, mlp_in_norm, dims.eps), gate_up, gate_up_bias, dims).chunk(2, dim=-1)
     act = F.gelu(gate, approximate="tanh") if dims.gelu else F.silu(gate)
-    out = linear(act * up, down, down_bias)
+    out = linear(act * up, down, down_bias, dims)
     if mlp_out_norm is not None:
         out = rms_norm(out, mlp_out_norm, dims.eps)
     return h + out
@@ -158,8 +170,10 @@ class FastLlamaRunner:
         self.name = f"fast-{self.spec.family}"
         self.num_layers = self.spec.num_layers
         self.vocab_size = self.spec.vocab_size
+        kernel = cpu_kernels.small_m_linear() if config.kernels and not config.compile else None
         self.dims = Dims(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
-                         self.spec.rms_norm_eps, self.spec.activation == "gelu_tanh")
+                         self.spec.rms_norm_eps, self.spec.activation == "gelu_tanh", kernel)
+        logger.info(f"{self.name}: decode-size products run on {'the AVX-512 kernel' if kernel else 'torch'}")
         self.layers: list[LayerWeights] = [read_layer(layer, self.spec, self.dtype) for layer in model.model.layers]
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
         self.lm_head = model.lm_head.weight.detach().to(self.dtype)  # tied: the same tensor as embed
@@ -227,7 +241,7 @@ class FastLlamaRunner:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h, self.final_norm, self.spec.rms_norm_eps)
-        logits = F.linear(h, self.lm_head)  # [rows, positions, vocab]
+        logits = linear(h, self.lm_head, None, self.dims)  # [rows, positions, vocab]
         if self.spec.final_logit_softcap is not None:
             cap = self.spec.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
@@ -255,8 +269,3 @@ def _model_dtype(model: Any) -> torch.dtype:
 
 def read_final_norm(model: Any, spec: ArchSpec, dtype: torch.dtype) -> torch.Tensor:
     return norm_weight(model.model.norm, spec.family, dtype)
-
-
-def describe(runner: Any) -> str:
-    """One line for logs and Info: which runner, which dtype."""
-    return f"{runner.name} ({str(runner.dtype).removeprefix('torch.')})"
