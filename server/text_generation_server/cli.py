@@ -85,20 +85,20 @@ def download_weights_command(
 
 @app.command("build-kernels")
 def build_kernels_command() -> None:
-    """Compile the fast runner's CPU kernel into TGI_KERNEL_DIR now (else the first serve does).
+    """Compile the fast runner's CPU kernels into TGI_KERNEL_DIR now (else the first serve does).
 
     Compiling needs a C++ compiler, not an AVX-512 CPU: an image built on one host runs on
-    another. Exits 1 when the compiler fails; serving then uses torch's products.
+    another. Exits 1 when the compiler fails; serving then uses torch's ops.
     """
     from .models.runner import cpu_kernels
 
     try:
         cpu_kernels.build()
     except Exception as error:
-        print(f"small_m_linear: build failed: {error}", file=sys.stderr)
+        print(f"cpu kernels: build failed: {error}", file=sys.stderr)
         raise typer.Exit(1) from error
     reason = cpu_kernels.unavailable_reason()
-    print(f"small_m_linear: built in {cpu_kernels.build_dir()}"
+    print(f"cpu kernels: built in {cpu_kernels.build_dir()}"
           + (f" (not used on this machine: {reason})" if reason else ""))
 
 

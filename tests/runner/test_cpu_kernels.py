@@ -1,4 +1,4 @@
-"""The AVX-512 small-matrix kernel (runner/small_m_linear.cpp) against float64 products.
+"""The compiled CPU kernels (runner/cpu_kernels.cpp) against float64 references and torch.
 
 Tolerances: fp32 outputs within 1e-5 relative to the output scale (fp32 accumulation of at
 most 1536 products); bf16 outputs within 2**-7 relative, one bf16 rounding of the output
@@ -20,10 +20,10 @@ SHAPES = [(1, 1), (3, 33), (4, 32), (5, 575), (577, 576), (64, 1536)]  # (n, k):
 
 
 @pytest.fixture(scope="module")
-def kernel() -> cpu_kernels.SmallMLinear:
-    function = cpu_kernels.small_m_linear()
-    assert function is not None, "the kernel did not build: see the warning in the log"
-    return function
+def ops() -> cpu_kernels.CpuOps:
+    loaded = cpu_kernels.load()
+    assert loaded is not None, "the kernels did not build: see the warning in the log"
+    return loaded
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -34,14 +34,14 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_matches_float64_products(kernel: cpu_kernels.SmallMLinear, dtype: torch.dtype, n: int, k: int) -> None:
+def test_matches_float64_products(ops: cpu_kernels.CpuOps, dtype: torch.dtype, n: int, k: int) -> None:
     generator = torch.Generator().manual_seed(n * 1000 + k)
     weight = torch.randn(n, k, generator=generator).to(dtype)
     bias = torch.randn(n, generator=generator).to(dtype)
     for rows in range(1, cpu_kernels.MAX_ROWS + 1):
         x = torch.randn(rows, k, generator=generator).to(dtype)
         for b in (None, bias):
-            out = kernel(x, weight, b)
+            out = ops.small_m_linear(x, weight, b)
             assert out.dtype == dtype and out.shape == (rows, n)
             expected = _reference(x, weight, b)
             scale = expected.abs().max().item() + 1.0
@@ -51,39 +51,81 @@ def test_matches_float64_products(kernel: cpu_kernels.SmallMLinear, dtype: torch
 
 
 @needs_kernel
-def test_refuses_bad_input_by_name(kernel: cpu_kernels.SmallMLinear) -> None:
+def test_refuses_bad_input_by_name(ops: cpu_kernels.CpuOps) -> None:
     weight = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="17 rows; at most 16"):
-        kernel(torch.randn(17, 16), weight, None)
+        ops.small_m_linear(torch.randn(17, 16), weight, None)
     with pytest.raises(RuntimeError, match="x is BFloat16 but weight is Float"):
-        kernel(torch.randn(1, 16).bfloat16(), weight, None)
+        ops.small_m_linear(torch.randn(1, 16).bfloat16(), weight, None)
     with pytest.raises(RuntimeError, match="x has 15 features, weight 16"):
-        kernel(torch.randn(1, 15), weight, None)
+        ops.small_m_linear(torch.randn(1, 15), weight, None)
     with pytest.raises(RuntimeError, match="must be contiguous"):
-        kernel(torch.randn(16, 2).T, weight, None)
+        ops.small_m_linear(torch.randn(16, 2).T, weight, None)
     with pytest.raises(RuntimeError, match="bias has 7 values, weight 8 rows"):
-        kernel(torch.randn(1, 16), weight, torch.randn(7))
+        ops.small_m_linear(torch.randn(1, 16), weight, torch.randn(7))
     with pytest.raises(RuntimeError, match="dtype Half is not supported"):
-        kernel(torch.randn(1, 16).half(), weight.half(), None)
+        ops.small_m_linear(torch.randn(1, 16).half(), weight.half(), None)
+
+
+def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((out.double() - expected.double()).abs().max() / (expected.double().abs().max() + 1e-30))
 
 
 @needs_kernel
-def test_runs_on_torchs_openmp_runtime(kernel: cpu_kernels.SmallMLinear) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_transformers_formula(ops: cpu_kernels.CpuOps, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for shape in [(1, 1, 576), (3, 5, 64), (2, 7)]:
+        x = (torch.randn(shape, generator=generator) * 3).to(dtype)
+        weight = torch.randn(shape[-1], generator=generator).to(dtype)
+        variance = x.double().pow(2).mean(-1, keepdim=True)
+        expected = x.double() * torch.rsqrt(variance + 1e-5) * weight.double()
+        error = _relative_error(ops.rms_norm(x, weight, 1e-5), expected)
+        assert error <= (1e-6 if dtype == torch.float32 else 2**-7), f"{shape} {dtype}: relative error {error}"
+    with pytest.raises(RuntimeError, match="x has 8 features, weight 4"):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(4), 1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_sdpa_on_cache_views(ops: cpu_kernels.CpuOps, dtype: torch.dtype) -> None:
+    """Grouped heads, left padding in the mask, keys/values as views of a larger cache buffer."""
+    generator = torch.Generator().manual_seed(2)
+    rows, heads, kv_heads, dim, total, capacity = 3, 9, 3, 64, 37, 64
+    keys = torch.randn(rows, kv_heads, capacity, dim, generator=generator).to(dtype)[:, :, :total]
+    values = torch.randn(rows, kv_heads, capacity, dim, generator=generator).to(dtype)[:, :, :total]
+    qkv = torch.randn(rows, 1, heads + kv_heads, dim, generator=generator).to(dtype)
+    q = qkv[:, :, :heads]  # a view, as the runner passes it
+    allowed = torch.ones(rows, total, dtype=torch.bool)
+    allowed[1, :10] = False  # row 1 is left-padded
+    mask = torch.zeros(rows, 1, 1, total, dtype=dtype).masked_fill_(~allowed[:, None, None], torch.finfo(dtype).min)
+    out = ops.decode_attention(q, keys, values, mask, dim**-0.5)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(1, 2), keys.double(), values.double(), attn_mask=mask.double(), scale=dim**-0.5,
+        enable_gqa=True).transpose(1, 2).reshape(rows, 1, heads * dim)
+    error = _relative_error(out, expected)
+    assert error <= (1e-6 if dtype == torch.float32 else 2**-7), f"{dtype}: relative error {error}"
+    with pytest.raises(RuntimeError, match="q must be"):
+        ops.decode_attention(qkv.transpose(1, 2), keys, values, mask, 1.0)
+
+
+@needs_kernel
+def test_runs_on_torchs_openmp_runtime(ops: cpu_kernels.CpuOps) -> None:
     """A second libgomp would bring a second thread team spinning on the same cores."""
-    kernel(torch.randn(1, 64), torch.randn(256, 64), None)
+    ops.small_m_linear(torch.randn(1, 64), torch.randn(256, 64), None)
     torch.randn(64, 64) @ torch.randn(64, 64)
     maps = Path("/proc/self/maps").read_text().splitlines()
     runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(runtimes) == 1, f"more than one OpenMP runtime loaded: {sorted(runtimes)}"
 
 
-def test_usable_only_for_few_rows_of_a_supported_dtype() -> None:
+def test_linear_usable_only_for_few_rows_of_a_supported_dtype() -> None:
     weight = torch.randn(8, 16)
-    assert cpu_kernels.usable(torch.randn(2, 8, 16), weight)  # 16 rows
-    assert not cpu_kernels.usable(torch.randn(17, 16), weight)
-    assert not cpu_kernels.usable(torch.randn(1, 16).half(), weight.half())
-    assert not cpu_kernels.usable(torch.randn(1, 16).bfloat16(), weight)
-    assert not cpu_kernels.usable(torch.randn(1, 16), torch.randn(16, 8).T)
+    assert cpu_kernels.linear_usable(torch.randn(2, 8, 16), weight)  # 16 rows
+    assert not cpu_kernels.linear_usable(torch.randn(17, 16), weight)
+    assert not cpu_kernels.linear_usable(torch.randn(1, 16).half(), weight.half())
+    assert not cpu_kernels.linear_usable(torch.randn(1, 16).bfloat16(), weight)
+    assert not cpu_kernels.linear_usable(torch.randn(1, 16), torch.randn(16, 8).T)
 
 
 def test_switch_off_and_bad_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,17 +1,20 @@
-"""Compiled CPU kernels of the fast runner, built from source on first use.
+"""Compiled CPU kernels of the fast runner's decode step, built from source on first use.
 
-Design note: the decode step's matrix products have 1..16 rows of activations against a whole
-weight matrix; torch's CPU GEMMs run them far below memory bandwidth (bf16 at half of it, 8
-rows 2.5x slower than 1). `small_m_linear.cpp` is an AVX-512 kernel for exactly that case
-(fp32 FMA, bf16 pair dot products with fp32 accumulation). It is compiled with
-`torch.utils.cpp_extension` the first time a runner needs it (~40 s on 2 cores; `make
-install` and the image build do it ahead with `text-generation-server build-kernels`) into TGI_KERNEL_DIR (default
-~/.cache/tgi-kernels), in a folder named by a hash of the source, flags, torch and Python
-versions; a built module is imported from there without a compiler. It runs on torch's own
-OpenMP team: compiled with -fopenmp but linked against torch's bundled libgomp, never the
-system's, so one thread team serves both.
+Design note: a decode step of a small model on a CPU is the weight stream plus a few hundred
+tiny ops. torch runs the products with 1..16 activation rows far below memory bandwidth (bf16
+at half of it, 8 rows 2.5x slower than 1), RMSNorm as ~8 ops of ~70 us in all, and SDPA at
+~50 us per call. `cpu_kernels.cpp` has one AVX-512 function for each (see its header):
+`small_m_linear`, `rms_norm`, `decode_attention`, and `rope` and `silu_mul`, which fold 4-5
+small ops each into one call; `decode_layer` composes them into a whole Llama-family layer
+for one new token per row, so Python is crossed once per layer. It is compiled with
+`torch.utils.cpp_extension` the first time a runner needs it (~40 s on 2 cores; `make install`
+and the image build do it ahead with `text-generation-server build-kernels`) into
+TGI_KERNEL_DIR (default ~/.cache/tgi-kernels), in a folder named by a hash of the source,
+flags, torch and Python versions; a built module is imported from there without a compiler.
+It runs on torch's own OpenMP team: compiled with -fopenmp but linked against torch's bundled
+libgomp, never the system's, so one thread team serves both.
 
-When the kernel cannot be used, the reason is logged once and every product goes to torch:
+When the kernels cannot be used, the reason is logged once and the runner uses torch's ops:
 the CPU lacks AVX-512 BF16, there is no C++ compiler, or TGI_CPU_KERNELS=off.
 """
 
@@ -24,22 +27,50 @@ import importlib.util
 import os
 import platform
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import torch
 from loguru import logger
 
-SOURCE = Path(__file__).with_name("small_m_linear.cpp")
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 ENV_SWITCH = "TGI_CPU_KERNELS"  # "auto" (default) or "off"
 ENV_DIR = "TGI_KERNEL_DIR"
-NAME = "tgi_small_m_linear"
+NAME = "tgi_cpu_kernels"
 MAX_ROWS = 16  # kMaxRows in the C++ source
 DTYPES = (torch.float32, torch.bfloat16)
 
-SmallMLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class CpuOps(Protocol):
+    """The compiled module's functions (float32 and bfloat16; errors name the bad argument)."""
+
+    max_rows: int
+
+    def small_m_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, /) -> torch.Tensor:
+        """`x [m, k] @ weight[n, k].T (+ bias)` for 1 <= m <= max_rows, both contiguous."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, /) -> torch.Tensor:
+        """transformers' RMSNorm over the last dimension of a contiguous x."""
+
+    def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                         scale: float, /) -> torch.Tensor:
+        """q `[rows, 1, heads, dim]` against keys/values `[rows, kv, total, dim]` -> `[rows, 1, heads * dim]`."""
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, /) -> torch.Tensor:
+        """rope.apply_rope of x `[rows, new, heads, dim]` (a view is fine), returned contiguous."""
+
+    def silu_mul(self, gate_up: torch.Tensor, /) -> torch.Tensor:
+        """silu(gate) * up of a contiguous fused `[..., 2 * inner]` gate/up output."""
+
+    def decode_layer(self, h: torch.Tensor, in_norm: torch.Tensor, qkv: torch.Tensor, qkv_bias: torch.Tensor | None,
+                     o_proj: torch.Tensor, o_bias: torch.Tensor | None, mlp_norm: torch.Tensor,
+                     gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
+                     down_bias: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int,
+                     cos: torch.Tensor, sin_signed: torch.Tensor, mask: torch.Tensor, heads: int, kv_heads: int,
+                     eps: float, scale: float, /) -> torch.Tensor:
+        """A Llama-family decoder layer for h `[rows, 1, hidden]`; writes cache column `length`."""
 
 
 def _cpu_flags() -> set[str]:
@@ -69,24 +100,21 @@ def unavailable_reason() -> str | None:
 
 
 @functools.cache
-def small_m_linear() -> SmallMLinear | None:
-    """`f(x [m, k], weight [n, k], bias [n] | None) -> [m, n]` for m <= 16, or None (reason logged)."""
+def load() -> CpuOps | None:
+    """The compiled kernels, or None when they cannot be used here (the reason is logged once)."""
     reason = unavailable_reason()
     if reason is None:
         try:
-            module = build()
+            return build()
         except Exception as error:  # noqa: BLE001 - any build failure means "use torch", said loudly
             reason = f"building {SOURCE.name} failed: {str(error).strip().splitlines()[-1] if str(error) else error!r}"
-        else:
-            function: SmallMLinear = module.small_m_linear
-            return function
-    logger.warning(f"CPU kernel unavailable ({reason}): small matrix products use torch, which is slower")
+    logger.warning(f"CPU kernels unavailable ({reason}): the fast runner uses torch's ops, which are slower")
     return None
 
 
 def _flags() -> tuple[list[str], list[str]]:
     torch_lib = Path(torch.__file__).parent / "lib"
-    cflags = ["-O3", "-fopenmp", *(f"-m{flag.replace('_', '')}" for flag in REQUIRED_CPU_FLAGS)]
+    cflags = ["-O3", "-fopenmp", "-ffp-contract=off", *(f"-m{flag.replace('_', '')}" for flag in REQUIRED_CPU_FLAGS)]
     # torch's libgomp (same soname as the one torch loaded): one OpenMP runtime, one team.
     ldflags = [f"-L{torch_lib}", "-lgomp", f"-Wl,-rpath,{torch_lib}"]
     return cflags, ldflags
@@ -101,7 +129,7 @@ def build_dir() -> Path:
     return root / f"{NAME}-{key}"
 
 
-def build() -> Any:
+def build() -> CpuOps:
     """The compiled module: imported when built before, else compiled now (any CPU can compile it)."""
     folder = build_dir()
     built = folder / f"{NAME}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
@@ -112,17 +140,19 @@ def build() -> Any:
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        return module
-    from torch.utils.cpp_extension import load
+        ops: CpuOps = module
+        return ops
+    from torch.utils.cpp_extension import load as compile_and_load
 
     folder.mkdir(parents=True, exist_ok=True)
     logger.info(f"Compiling {SOURCE.name} into {folder} (once; ~40 s on 2 cores)")
     cflags, ldflags = _flags()
-    return load(name=NAME, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=ldflags,
-                build_directory=str(folder), verbose=False)
+    built_module: CpuOps = compile_and_load(name=NAME, sources=[str(SOURCE)], extra_cflags=cflags,
+                                            extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
+    return built_module
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel takes this product (rows of x, dtypes, CPU tensors)."""
+def linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether small_m_linear takes this product (rows of x, dtypes, CPU tensors)."""
     return (x.numel() <= MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype and x.dtype in DTYPES
             and weight.device.type == "cpu" and weight.is_contiguous())

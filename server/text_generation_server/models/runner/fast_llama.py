@@ -10,9 +10,12 @@ fewer, larger ops:
   reading the shared `KVCache` whose append writes in place;
 - logits are computed only for the positions asked for (the tied lm_head is ~20% of the
   weights of the default model);
-- products with at most 16 rows of activations (every decode step up to batch 16) go to an
-  AVX-512 kernel (cpu_kernels.py) that streams the weights at memory bandwidth, where torch's
-  GEMM reaches half of it in bf16 and slows down 2.5x from 1 to 8 rows in fp32.
+- where the CPU has AVX-512 BF16, compiled kernels (cpu_kernels.py) take the decode step's
+  hot spots: products with at most 16 activation rows (every decode step up to batch 16)
+  stream the weights at memory bandwidth, where torch's GEMM reaches half of it in bf16 and
+  slows down 2.5x from 1 to 8 rows in fp32; RMSNorm is one call instead of ~8 ops; the
+  attention of one new token per row replaces SDPA's CPU kernel (~50 us per call); RoPE and
+  silu(gate) * up are one call each.
 The layer loop stays in Python, so `skip_layers` is a plain `continue` and an optional
 `torch.compile` of the two per-layer halves (`pre_attention`, `post_attention`) never
 recompiles for a new skip plan: every layer shares the same compiled graphs, with its own
@@ -46,8 +49,8 @@ class FastRunnerConfig:
             dtype copies the weights (used by benchmarks to load once and compare dtypes).
         compile: torch.compile the two halves of a decoder layer (inductor; needs a C
             compiler). The first forward of each shape class compiles (see README-runner).
-        kernels: use the AVX-512 small-matrix kernel where the CPU has it (cpu_kernels.py);
-            False keeps every product in torch (benchmarks compare both). Not combined with
+        kernels: use the compiled AVX-512 kernels where the CPU has them (cpu_kernels.py);
+            False keeps every op in torch (benchmarks compare both). Not combined with
             compile, whose graphs call torch.
     """
 
@@ -69,13 +72,13 @@ class Dims:
     head_dim: int
     eps: float
     gelu: bool
-    kernel: cpu_kernels.SmallMLinear | None = None
+    ops: cpu_kernels.CpuOps | None = None
 
 
 def linear(x: torch.Tensor, weight: Projection, bias: torch.Tensor | None, dims: Dims) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
-        if dims.kernel is not None and cpu_kernels.usable(x, weight):
-            out = dims.kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
+        if dims.ops is not None and cpu_kernels.linear_usable(x, weight):
+            out = dims.ops.small_m_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
             return out.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     if len(weight) == 1:  # bitsandbytes module: keeps its own bias and dtype handling
@@ -83,8 +86,10 @@ def linear(x: torch.Tensor, weight: Projection, bias: torch.Tensor | None, dims:
     return torch.cat([module(x) for module in weight], dim=-1).to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, dims: Dims) -> torch.Tensor:
+    if dims.ops is not None and x.dtype in cpu_kernels.DTYPES and x.is_contiguous():
+        return dims.ops.rms_norm(x, weight, dims.eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, dims.eps)
 
 
 def pre_attention(
@@ -104,14 +109,17 @@ def pre_attention(
     """
     rows, new, _ = h.shape
     num_qk = dims.num_heads + dims.num_kv_heads
-    qkv_out = linear(rms_norm(h, norm, dims.eps), qkv, qkv_bias, dims)
+    qkv_out = linear(rms_norm(h, norm, dims), qkv, qkv_bias, dims)
     qkv_out = qkv_out.view(rows, new, num_qk + dims.num_kv_heads, dims.head_dim)
     qk, v = qkv_out[:, :, :num_qk], qkv_out[:, :, num_qk:]
     if q_norm is not None and k_norm is not None:
-        q = rms_norm(qk[:, :, : dims.num_heads], q_norm, dims.eps)
-        k = rms_norm(qk[:, :, dims.num_heads :], k_norm, dims.eps)
+        q = rms_norm(qk[:, :, : dims.num_heads], q_norm, dims)
+        k = rms_norm(qk[:, :, dims.num_heads :], k_norm, dims)
         qk = torch.cat((q, k), dim=2)
-    qk = apply_rope(qk, cos, sin)  # [rows, new, heads + kv_heads, head_dim]
+    if dims.ops is not None and qk.dtype in cpu_kernels.DTYPES:
+        qk = dims.ops.rope(qk, cos, sin)
+    else:
+        qk = apply_rope(qk, cos, sin)  # [rows, new, heads + kv_heads, head_dim]
     return qk[:, :, : dims.num_heads], qk[:, :, dims.num_heads :], v
 
 
@@ -132,13 +140,17 @@ def post_attention(
     """Output projection + residual, then the gated MLP + residual. Returns `[rows, new, hidden]`."""
     out = linear(attn, o_proj, o_bias, dims)
     if attn_out_norm is not None:
-        out = rms_norm(out, attn_out_norm, dims.eps)
+        out = rms_norm(out, attn_out_norm, dims)
     h = h + out
-    gate, up = linear(rms_norm(h, mlp_in_norm, dims.eps), gate_up, gate_up_bias, dims).chunk(2, dim=-1)
-    act = F.gelu(gate, approximate="tanh") if dims.gelu else F.silu(gate)
-    out = linear(act * up, down, down_bias, dims)
+    gate_up_out = linear(rms_norm(h, mlp_in_norm, dims), gate_up, gate_up_bias, dims)
+    if dims.ops is not None and not dims.gelu and gate_up_out.dtype in cpu_kernels.DTYPES:
+        act_up = dims.ops.silu_mul(gate_up_out)
+    else:
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        act_up = (F.gelu(gate, approximate="tanh") if dims.gelu else F.silu(gate)) * up
+    out = linear(act_up, down, down_bias, dims)
     if mlp_out_norm is not None:
-        out = rms_norm(out, mlp_out_norm, dims.eps)
+        out = rms_norm(out, mlp_out_norm, dims)
     return h + out
 
 
@@ -170,11 +182,18 @@ class FastLlamaRunner:
         self.name = f"fast-{self.spec.family}"
         self.num_layers = self.spec.num_layers
         self.vocab_size = self.spec.vocab_size
-        kernel = cpu_kernels.small_m_linear() if config.kernels and not config.compile else None
-        self.dims = Dims(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
-                         self.spec.rms_norm_eps, self.spec.activation == "gelu_tanh", kernel)
-        logger.info(f"{self.name}: decode-size products run on {'the AVX-512 kernel' if kernel else 'torch'}")
         self.layers: list[LayerWeights] = [read_layer(layer, self.spec, self.dtype) for layer in model.model.layers]
+        # bitsandbytes models keep torch's ops: their products are bnb's own, and int8/nf4
+        # turn the kernels' last-bit differences in RMSNorm into ~0.4 logits.
+        ops = cpu_kernels.load() if config.kernels and not config.compile and self._dense() else None
+        self.dims = Dims(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
+                         self.spec.rms_norm_eps, self.spec.activation == "gelu_tanh", ops)
+        logger.info(f"{self.name}: decode hot spots run on {'the AVX-512 kernels' if ops else 'torch'}")
+        # Decode steps of the Llama family run each layer as one compiled call (decode_layer);
+        # its arguments are gathered here once. Gemma 3's extra norms and GELU stay in Python.
+        self._fused_layers = ([(lw.pre[0], lw.pre[1], lw.pre[2], *lw.post[:2], *lw.post[3:8]) for lw in self.layers]
+                              if ops is not None and self.spec.family == "llama" and self.dtype in cpu_kernels.DTYPES
+                              else None)
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
         self.lm_head = model.lm_head.weight.detach().to(self.dtype)  # tied: the same tensor as embed
         self.final_norm = read_final_norm(model, self.spec, self.dtype)
@@ -187,8 +206,12 @@ class FastLlamaRunner:
         if config.compile:
             self._compile()
 
+    def _dense(self) -> bool:
+        """Whether every projection is a plain weight (no bitsandbytes modules)."""
+        return all(isinstance(w, torch.Tensor) for w in (*self.layers[0].pre, *self.layers[0].post) if w is not None)
+
     def _compile(self) -> None:
-        if not all(isinstance(w, torch.Tensor) for w in (*self.layers[0].pre, *self.layers[0].post) if w is not None):
+        if not self._dense():
             raise ValueError("--runner-compile does not support bitsandbytes layers; run without it")
         self._pre = torch.compile(pre_attention, dynamic=True)
         self._post = torch.compile(post_attention, dynamic=True)
@@ -232,15 +255,24 @@ class FastLlamaRunner:
     def _layer(self, index: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
         rows, new, _ = h.shape
+        if new == 1 and self._fused_layers is not None and self.dims.ops is not None:
+            dims = self.dims
+            k_cache, v_cache = cache.buffers(index, (rows, dims.num_kv_heads, dims.head_dim), self.dtype,
+                                             cache.length + 1)
+            return dims.ops.decode_layer(h, *self._fused_layers[index], k_cache, v_cache, cache.length, cos, sin,
+                                         mask, dims.num_heads, dims.num_kv_heads, dims.eps, self.spec.attention_scale)
         q, k, v = self._pre(h, cos, sin, *layer.pre, self.dims)  # [rows, new, heads, head_dim]
         keys, values = cache.append(index, k.transpose(1, 2), v.transpose(1, 2))  # [rows, kv, total, dim]
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                              scale=self.spec.attention_scale, enable_gqa=True)
-        attn = attn.transpose(1, 2).reshape(rows, new, -1)  # [rows, new, heads * head_dim]
+        if new == 1 and self.dims.ops is not None and q.dtype in cpu_kernels.DTYPES:
+            attn = self.dims.ops.decode_attention(q, keys, values, mask, self.spec.attention_scale)
+        else:
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                                  scale=self.spec.attention_scale, enable_gqa=True)
+            attn = attn.transpose(1, 2).reshape(rows, new, -1)  # [rows, new, heads * head_dim]
         return self._post(h, attn, *layer.post, self.dims)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(h, self.final_norm, self.spec.rms_norm_eps)
+        h = rms_norm(h.contiguous(), self.final_norm, self.dims)
         logits = linear(h, self.lm_head, None, self.dims)  # [rows, positions, vocab]
         if self.spec.final_logit_softcap is not None:
             cap = self.spec.final_logit_softcap

@@ -53,25 +53,29 @@ class KVCache:
         The caller advances `length` once per forward with `advance(n)`, after every layer has
         appended. Returns views of the filled columns including the new ones.
         """
-        n = k_new.shape[2]
-        end = self.length + n
-        k, v = self.keys[index], self.values[index]
-        if k is None or v is None or k.shape[2] < end:
-            k, v = self._grow(index, k_new, end)
+        end = self.length + k_new.shape[2]
+        rows, heads, _, dim = k_new.shape
+        k, v = self.buffers(index, (rows, heads, dim), k_new.dtype, end)
         k[:, :, self.length : end] = k_new
         v[:, :, self.length : end] = v_new
         return k[:, :, :end], v[:, :, :end]
 
-    def _grow(self, index: int, like: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, heads, _, dim = like.shape
-        capacity = _round_up(end)
-        k = like.new_zeros((rows, heads, capacity, dim))
-        v = like.new_zeros((rows, heads, capacity, dim))
-        old_k, old_v = self.keys[index], self.values[index]
-        if old_k is not None and old_v is not None:
-            k[:, :, : self.length] = old_k[:, :, : self.length]
-            v[:, :, : self.length] = old_v[:, :, : self.length]
-        self.keys[index], self.values[index] = k, v
+    def buffers(self, index: int, shape: tuple[int, int, int], dtype: torch.dtype,
+                end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's whole key and value buffers `[rows, kv_heads, capacity, head_dim]`, grown
+        (in buckets, filled columns kept) to hold at least `end` columns. `shape` is
+        (rows, kv_heads, head_dim). For writers that fill the columns themselves."""
+        k, v = self.keys[index], self.values[index]
+        if k is None or v is None or k.shape[2] < end:
+            rows, heads, dim = shape
+            capacity = _round_up(end)
+            k = torch.zeros((rows, heads, capacity, dim), dtype=dtype)
+            v = torch.zeros((rows, heads, capacity, dim), dtype=dtype)
+            old_k, old_v = self.keys[index], self.values[index]
+            if old_k is not None and old_v is not None:
+                k[:, :, : self.length] = old_k[:, :, : self.length]
+                v[:, :, : self.length] = old_v[:, :, : self.length]
+            self.keys[index], self.values[index] = k, v
         return k, v
 
     def advance(self, n: int) -> None:
