@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +154,37 @@ def post_attention(
     return h + out
 
 
+class FusedLayer(NamedTuple):
+    """A dense Llama-family layer's weights in cpu_kernels' decode_layer argument order."""
+
+    in_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, layer: LayerWeights) -> FusedLayer:
+        norm, qkv, qkv_bias, _, _ = layer.pre
+        o_proj, o_bias, _, mlp_norm, gate_up, gate_up_bias, down, down_bias, _ = layer.post
+        return cls(_dense(norm), _dense(qkv), _optional(qkv_bias), _dense(o_proj), _optional(o_bias), _dense(mlp_norm),
+                   _dense(gate_up), _optional(gate_up_bias), _dense(down), _optional(down_bias))
+
+
+def _dense(weight: object) -> torch.Tensor:
+    assert isinstance(weight, torch.Tensor), f"decode_layer needs dense weights, got {type(weight).__name__}"
+    return weight
+
+
+def _optional(bias: object) -> torch.Tensor | None:
+    return None if bias is None else _dense(bias)
+
+
 def additive_mask(attention_mask: torch.Tensor, new: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
     """`[rows, 1, new, total]` additive mask: causal over columns, padding, optional window.
 
@@ -191,7 +222,7 @@ class FastLlamaRunner:
         logger.info(f"{self.name}: decode hot spots run on {'the AVX-512 kernels' if ops else 'torch'}")
         # Decode steps of the Llama family run each layer as one compiled call (decode_layer);
         # its arguments are gathered here once. Gemma 3's extra norms and GELU stay in Python.
-        self._fused_layers = ([(lw.pre[0], lw.pre[1], lw.pre[2], *lw.post[:2], *lw.post[3:8]) for lw in self.layers]
+        self._fused_layers = ([FusedLayer.of(lw) for lw in self.layers]
                               if ops is not None and self.spec.family == "llama" and self.dtype in cpu_kernels.DTYPES
                               else None)
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
@@ -255,8 +286,8 @@ class FastLlamaRunner:
     def _layer(self, index: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
         rows, new, _ = h.shape
-        if new == 1 and self._fused_layers is not None and self.dims.ops is not None:
-            dims = self.dims
+        dims = self.dims
+        if new == 1 and self._fused_layers is not None and dims.ops is not None:
             k_cache, v_cache = cache.buffers(index, (rows, dims.num_kv_heads, dims.head_dim), self.dtype,
                                              cache.length + 1)
             return dims.ops.decode_layer(h, *self._fused_layers[index], k_cache, v_cache, cache.length, cos, sin,
