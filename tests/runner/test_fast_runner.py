@@ -84,6 +84,19 @@ def test_prefill_and_64_decode_steps_match_transformers(model: PreTrainedModel, 
         next_ids = ref_step.argmax(-1)
 
 
+def test_decode_beyond_the_kernels_row_limit(model: PreTrainedModel, prompts: list[list[int]]) -> None:
+    """18 rows: more than small_m_linear takes, so decode_layer hands its products to torch."""
+    many = [prompts[i % len(prompts)][: 3 + i] for i in range(cpu_kernels.MAX_ROWS + 2)]
+    fast_stream, _ = Stream.prefill(build_runner(model, "fast"), many)
+    ref_stream, ref_logits = Stream.prefill(TransformersRunner(model), many)
+    next_ids = ref_logits[:, -1].argmax(-1)
+    for step in range(4):
+        fast_step, ref_step = fast_stream.step(next_ids), ref_stream.step(next_ids)
+        diff = (fast_step - ref_step).abs().max()
+        assert diff <= FP32_TOLERANCE, f"decode step {step} of {len(many)} rows: logits differ by {diff}"
+        next_ids = ref_step.argmax(-1)
+
+
 def test_filter_and_concatenate_match_transformers(model: PreTrainedModel, prompts: list[list[int]]) -> None:
     fast, ref = build_runner(model, "fast"), TransformersRunner(model)
     results = []

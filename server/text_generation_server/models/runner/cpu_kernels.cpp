@@ -400,6 +400,11 @@ c10::optional<torch::Tensor> present(const c10::optional<torch::Tensor>& bias) {
   return bias.has_value() && bias->defined() ? bias : c10::nullopt;
 }
 
+// The kernel up to kMaxRows rows (as fast_llama.linear decides), torch's GEMM beyond.
+torch::Tensor project(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  return x.size(0) <= kMaxRows ? small_m_linear(x, weight, present(bias)) : at::linear(x, weight, present(bias));
+}
+
 // h [rows, 1, hidden]; k_cache/v_cache [rows, kv_heads, capacity, dim] whole buffers, column
 // `length` is written; cos/sin [rows, 1, 1, dim]; mask [rows, 1, 1, length + 1]. Same math and
 // rounding steps as fast_llama.pre_attention/post_attention for the Llama family.
@@ -415,16 +420,16 @@ torch::Tensor decode_layer(const torch::Tensor& h, const torch::Tensor& in_norm,
   TORCH_CHECK(length >= 0 && length < k_cache.size(2), "decode_layer: column ", length, " is outside the cache's ",
               k_cache.size(2));
   const int64_t rows = h.size(0), hidden = h.size(2), dim = k_cache.size(3);
-  auto qkv_out = small_m_linear(rms_norm(h, in_norm, eps).view({rows, hidden}), qkv, present(qkv_bias))
+  auto qkv_out = project(rms_norm(h, in_norm, eps).view({rows, hidden}), qkv, qkv_bias)
                      .view({rows, 1, heads + 2 * kv_heads, dim});
   auto qk = rope(qkv_out.narrow(2, 0, heads + kv_heads), cos, sin);  // [rows, 1, heads + kv, dim]
   k_cache.select(2, length).copy_(qk.select(1, 0).narrow(1, heads, kv_heads));
   v_cache.select(2, length).copy_(qkv_out.select(1, 0).narrow(1, heads + kv_heads, kv_heads));
   auto attn = decode_attention(qk.narrow(2, 0, heads), k_cache.narrow(2, 0, length + 1),
                                v_cache.narrow(2, 0, length + 1), mask, scale);  // [rows, 1, heads * dim]
-  auto h2 = h + small_m_linear(attn.view({rows, heads * dim}), o_proj, present(o_bias)).view({rows, 1, hidden});
-  auto act = silu_mul(small_m_linear(rms_norm(h2, mlp_norm, eps).view({rows, hidden}), gate_up, present(gate_up_bias)));
-  return h2 + small_m_linear(act, down, present(down_bias)).view({rows, 1, hidden});
+  auto h2 = h + project(attn.view({rows, heads * dim}), o_proj, o_bias).view({rows, 1, hidden});
+  auto act = silu_mul(project(rms_norm(h2, mlp_norm, eps).view({rows, hidden}), gate_up, gate_up_bias));
+  return h2 + project(act, down, down_bias).view({rows, 1, hidden});
 }
 
 }  // namespace
