@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.machinery
 import importlib.util
 import os
 import platform
@@ -40,7 +39,6 @@ ENV_DIR = "TGI_KERNEL_DIR"
 NAME = "tgi_cpu_kernels"
 MAX_ROWS = 16  # kMaxRows in the C++ source
 DTYPES = (torch.float32, torch.bfloat16)
-
 
 
 class CpuOps(Protocol):
@@ -132,10 +130,10 @@ def build_dir() -> Path:
 def build() -> CpuOps:
     """The compiled module: imported when built before, else compiled now (any CPU can compile it)."""
     folder = build_dir()
-    built = folder / f"{NAME}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
-    if not built.exists():
-        built = folder / f"{NAME}.so"  # cpp_extension's name for it
-    if built.exists():  # built before (or baked into an image): no compiler needed
+    built = folder / f"{NAME}.so"  # cpp_extension's name for it
+    # Built before (or baked into an image): no compiler needed. cpp_extension holds `lock`
+    # while a build runs; then the call below waits for that build and loads its result.
+    if built.exists() and not (folder / "lock").exists():
         spec = importlib.util.spec_from_file_location(NAME, built)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)

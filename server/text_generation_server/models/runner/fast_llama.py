@@ -15,7 +15,9 @@ fewer, larger ops:
   stream the weights at memory bandwidth, where torch's GEMM reaches half of it in bf16 and
   slows down 2.5x from 1 to 8 rows in fp32; RMSNorm is one call instead of ~8 ops; the
   attention of one new token per row replaces SDPA's CPU kernel (~50 us per call); RoPE and
-  silu(gate) * up are one call each.
+  silu(gate) * up are one call each. For the Llama family a decode step (one new token per
+  row) runs each decoder layer as one compiled call, `decode_layer`, built of the same
+  pieces: Python is crossed 30 times per step instead of ~750.
 The layer loop stays in Python, so `skip_layers` is a plain `continue` and an optional
 `torch.compile` of the two per-layer halves (`pre_attention`, `post_attention`) never
 recompiles for a new skip plan: every layer shares the same compiled graphs, with its own

@@ -1,0 +1,85 @@
+"""How close the fast runner's decode step is to this machine's memory roofline.
+
+A decode step at batch 1 reads every weight once, so tokens/s can never exceed
+(read bandwidth) / (weight bytes per token). This measures, interleaved, median of repeats:
+- the machine's read bandwidth: `torch.sum` over a buffer as large as the fp32 weights;
+- the default model's weight bytes in fp32 and bf16 (the tied lm_head counted once);
+- the fast runner's decode step (batch 1, fused decode layers) in fp32 and bf16;
+and reports the ceiling each dtype implies and the fraction of it the runner reaches.
+
+Usage: .venv/bin/python benchmark/roofline.py [--repeats 7] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from text_generation_server.download import DEFAULT_MODEL_ID, download_weights
+from text_generation_server.models.loading import LoadConfig, load_model
+from text_generation_server.models.runner import FastLlamaRunner, FastRunnerConfig
+
+from common import write_results
+
+
+def weight_bytes(runner: FastLlamaRunner) -> int:
+    """Bytes a decode step reads whole: every layer's tensors, the final norm and the lm_head
+    (of the embedding only one row per token is read: not counted)."""
+    tensors = [runner.lm_head, runner.final_norm]
+    tensors += [t for layer in runner.layers for t in (*layer.pre, *layer.post) if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def read_seconds(buffer: torch.Tensor) -> float:
+    start = time.perf_counter()
+    buffer.sum()
+    return time.perf_counter() - start
+
+
+def step_seconds(runner: FastLlamaRunner, steps: int = 32) -> float:
+    cache = runner.new_cache(1)
+    ids = torch.arange(1, 9)[None]
+    runner.forward(ids, torch.arange(8)[None], torch.ones_like(ids), cache)
+    start = time.perf_counter()
+    for i in range(steps):
+        runner.forward(ids[:, :1], torch.tensor([[8 + i]]), torch.ones((1, 9 + i), dtype=torch.long), cache)
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(download_weights(DEFAULT_MODEL_ID), LoadConfig())
+    runners = {"fp32": FastLlamaRunner(model), "bf16": FastLlamaRunner(model, FastRunnerConfig(dtype=torch.bfloat16))}
+    sizes = {name: weight_bytes(runner) for name, runner in runners.items()}
+    buffer = torch.ones(sizes["fp32"] // 4)
+    samples: dict[str, list[float]] = {"read": [], **{name: [] for name in runners}}
+    for runner in runners.values():
+        step_seconds(runner, 4)
+    for _ in range(args.repeats):
+        samples["read"].append(read_seconds(buffer))
+        for name, runner in runners.items():
+            samples[name].append(step_seconds(runner))
+    bandwidth = buffer.numel() * 4 / statistics.median(samples["read"])
+    print(f"read bandwidth ({args.threads} threads, {buffer.numel() * 4 / 1e6:.0f} MB): {bandwidth / 1e9:.1f} GB/s")
+    report: dict[str, dict[str, float]] = {}
+    for name in runners:
+        step = statistics.median(samples[name])
+        ceiling = bandwidth / sizes[name]
+        report[name] = {"weight_mb": sizes[name] / 1e6, "step_ms": step * 1e3, "tokens_per_s": 1 / step,
+                        "roofline_tokens_per_s": ceiling, "fraction_of_roofline": 1 / step / ceiling}
+        print(f"{name}: {sizes[name] / 1e6:.0f} MB of weights per token -> roofline {ceiling:.1f} tok/s; "
+              f"decode step {step * 1e3:.1f} ms = {1 / step:.1f} tok/s ({1 / step / ceiling:.0%} of the roofline)")
+    write_results("roofline", {"threads": args.threads, "repeats": args.repeats,
+                               "read_bandwidth_gb_s": bandwidth / 1e9, "dtypes": report,
+                               "samples_s": samples})
+
+
+if __name__ == "__main__":
+    main()
