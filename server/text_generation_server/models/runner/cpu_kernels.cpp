@@ -11,8 +11,8 @@
 // Elementwise code is compiled with -ffp-contract=off: a fused multiply-add rounds once where
 // torch rounds twice, and one ulp per element grows past the 1e-4 logits parity budget.
 //
-// Design note (small_m_linear): at decode time m (rows x new tokens) is 1..16 while W is read whole from
-// memory, so the cost is the weight stream. Generic GEMMs tile for large m and, on this
+// Design note (small_m_linear): at decode time m (rows x new tokens) is 1..16 while W is read
+// whole from memory, so the cost is the weight stream. Generic GEMMs tile for large m and, on this
 // machine, run a bf16 matrix-vector product at half the memory bandwidth and an 8-row fp32
 // product 2.5x slower than a 1-row one. Here each block of R weight rows is loaded once and
 // multiplied with every x row while it sits in registers and L1, so m rows cost about what
@@ -32,7 +32,7 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 16;  // larger m goes to torch (see small_m_linear.py)
+constexpr int64_t kMaxRows = 16;  // larger m goes to torch (fast_llama.linear, project below)
 constexpr int kTile = 4;          // x rows per register tile
 
 // Sixteen horizontal sums at once: lane 4*j + r of the result is the sum of acc[4*r + j].
@@ -84,7 +84,8 @@ inline void block_f32(const float* w, int64_t k, const float* x, int64_t m0, flo
     __m512 wv[R];
     for (int r = 0; r < R; ++r) {
       wv[r] = _mm512_loadu_ps(w + (row + r) * k + c);
-      // The next block's rows: R short streams confuse the hardware prefetcher.
+      // The next block's rows: R short streams confuse the hardware prefetcher. (Past the
+      // last row this names memory outside W: prefetches are hints and never fault.)
       _mm_prefetch(reinterpret_cast<const char*>(w + (row + R + r) * k + c), _MM_HINT_T0);
     }
     for (int j = 0; j < MT; ++j) {
