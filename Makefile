@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): server/text_generation_server/models/runner/small_m_linear.cpp server/pyproject.toml router/pyproject.toml requirements-dev.txt constraints-cpu.txt
+$(STAMP): server/text_generation_server/models/runner/cpu_kernels.cpp server/pyproject.toml router/pyproject.toml requirements-dev.txt constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints-cpu.txt torch==2.13.0
 	$(PIP) install -q -c constraints-cpu.txt -e "server[bnb]" -e router -r requirements-dev.txt
