@@ -21,9 +21,9 @@ $(STAMP): server/text_generation_server/models/runner/cpu_kernels.cpp server/pyp
 	# The PyPI `text-generation` client pins huggingface-hub<1.0 (transformers 5 needs >=1):
 	# its code works with the newer hub, so it is installed without its dependencies.
 	$(PIP) install -q --no-deps text-generation==0.7.0
-	# The fast runner's AVX-512 kernel, compiled once (~40 s) so that no test or serve waits for it.
+	# The fast runner's AVX-512 kernels, compiled once (~40 s) so that no test or serve waits for them.
 	$(VENV)/bin/text-generation-server build-kernels \
-		|| echo "warning: the CPU kernel was not built; the fast runner will use torch's products"
+		|| echo "warning: the CPU kernels were not built; the fast runner will use torch's ops"
 	touch $(STAMP)
 
 proto: install
