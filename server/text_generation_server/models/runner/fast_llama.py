@@ -294,15 +294,15 @@ class FastLlamaRunner:
                                              cache.length + 1)
             return dims.ops.decode_layer(h, *self._fused_layers[index], k_cache, v_cache, cache.length, cos, sin,
                                          mask, dims.num_heads, dims.num_kv_heads, dims.eps, self.spec.attention_scale)
-        q, k, v = self._pre(h, cos, sin, *layer.pre, self.dims)  # [rows, new, heads, head_dim]
+        q, k, v = self._pre(h, cos, sin, *layer.pre, dims)  # [rows, new, heads, head_dim]
         keys, values = cache.append(index, k.transpose(1, 2), v.transpose(1, 2))  # [rows, kv, total, dim]
-        if new == 1 and self.dims.ops is not None and q.dtype in cpu_kernels.DTYPES:
-            attn = self.dims.ops.decode_attention(q, keys, values, mask, self.spec.attention_scale)
+        if new == 1 and dims.ops is not None and q.dtype in cpu_kernels.DTYPES:
+            attn = dims.ops.decode_attention(q, keys, values, mask, self.spec.attention_scale)
         else:
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                                   scale=self.spec.attention_scale, enable_gqa=True)
             attn = attn.transpose(1, 2).reshape(rows, new, -1)  # [rows, new, heads * head_dim]
-        return self._post(h, attn, *layer.post, self.dims)
+        return self._post(h, attn, *layer.post, dims)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h.contiguous(), self.final_norm, self.dims)
