@@ -7,6 +7,10 @@ most 1536 products); bf16 outputs within 2**-7 relative, one bf16 rounding of th
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,3 +148,27 @@ def test_build_folder_changes_with_the_source(monkeypatch: pytest.MonkeyPatch, t
     changed.write_text(cpu_kernels.SOURCE.read_text() + "\n// changed\n")
     monkeypatch.setattr(cpu_kernels, "SOURCE", changed)
     assert cpu_kernels.build_dir() != folder
+
+
+def _load_in_subprocess(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """cpu_kernels.load() in a fresh process (load() is cached per process)."""
+    code = ("from text_generation_server.models.runner import cpu_kernels as c\n"
+            "print('LOADED' if c.load() is not None else 'FALLBACK')")
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=300)
+
+
+@needs_kernel
+def test_without_a_compiler_the_runner_falls_back_loudly(tmp_path: Path) -> None:
+    result = _load_in_subprocess({cpu_kernels.ENV_DIR: str(tmp_path / "empty"), "CXX": str(tmp_path / "no-c++")})
+    assert result.stdout.strip().endswith("FALLBACK"), result.stdout + result.stderr
+    assert "CPU kernels unavailable (building cpu_kernels.cpp failed" in result.stderr
+
+
+@needs_kernel
+def test_a_prebuilt_folder_loads_without_a_compiler(ops: cpu_kernels.CpuOps, tmp_path: Path) -> None:
+    """The image's case: kernels compiled at build time into TGI_KERNEL_DIR, no g++ at run time."""
+    built = cpu_kernels.build_dir()
+    shutil.copytree(built, tmp_path / built.name)
+    result = _load_in_subprocess({cpu_kernels.ENV_DIR: str(tmp_path), "CXX": str(tmp_path / "no-c++")})
+    assert result.stdout.strip().endswith("LOADED"), result.stdout + result.stderr
