@@ -73,89 +73,79 @@ inline void store(const __m512 (&acc)[R][MT], Out* y, int64_t n, int64_t m0, int
   }
 }
 
-// ---- fp32 weights, fp32 activations -------------------------------------------------------
-template <int R, int MT>
-inline void block_f32(const float* w, int64_t k, const float* x, int64_t m0, float* y, int64_t n,
-                      int64_t row, const float* bias) {
+// ---- one block of weight rows against a tile of x rows --------------------------------------
+// The two weight types differ only in how a vector is loaded and multiplied into fp32 sums.
+struct Fp32 {  // FMA on 16 floats
+  using T = float;
+  using Vec = __m512;
+  using Mask = __mmask16;
+  static constexpr int64_t kLanes = 16;
+  static Vec load(Mask mask, const T* p) { return _mm512_maskz_loadu_ps(mask, p); }
+  static __m512 madd(__m512 acc, Vec w, Vec x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+
+struct Bf16 {  // pair dot products on 32 bf16 values, fp32 accumulation
+  using T = uint16_t;
+  using Vec = __m512i;
+  using Mask = __mmask32;
+  static constexpr int64_t kLanes = 32;
+  static Vec load(Mask mask, const T* p) { return _mm512_maskz_loadu_epi16(mask, p); }
+  static __m512 madd(__m512 acc, Vec w, Vec x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+};
+
+// y[m0 .. m0 + MT, row .. row + R] = x rows . W rows (+ bias); the last chunk of k is masked.
+template <typename E, int R, int MT, typename Out>
+inline void block(const typename E::T* w, int64_t k, const typename E::T* x, int64_t m0, Out* y, int64_t n,
+                  int64_t row, const float* bias) {
   __m512 acc[R][MT];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < MT; ++j) acc[r][j] = _mm512_setzero_ps();
-  int64_t c = 0;
-  for (; c + 16 <= k; c += 16) {
-    __m512 wv[R];
+  for (int64_t c = 0; c < k; c += E::kLanes) {
+    const auto mask = static_cast<typename E::Mask>(
+        c + E::kLanes <= k ? ~uint64_t{0} : (uint64_t{1} << (k - c)) - 1u);
+    typename E::Vec wv[R];
     for (int r = 0; r < R; ++r) {
-      wv[r] = _mm512_loadu_ps(w + (row + r) * k + c);
+      wv[r] = E::load(mask, w + (row + r) * k + c);
       // The next block's rows: R short streams confuse the hardware prefetcher. (Past the
       // last row this names memory outside W: prefetches are hints and never fault.)
       _mm_prefetch(reinterpret_cast<const char*>(w + (row + R + r) * k + c), _MM_HINT_T0);
     }
     for (int j = 0; j < MT; ++j) {
-      const __m512 xv = _mm512_loadu_ps(x + (m0 + j) * k + c);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(wv[r], xv, acc[r][j]);
-    }
-  }
-  if (c < k) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (k - c)) - 1u);
-    __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w + (row + r) * k + c);
-    for (int j = 0; j < MT; ++j) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (m0 + j) * k + c);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(wv[r], xv, acc[r][j]);
+      const typename E::Vec xv = E::load(mask, x + (m0 + j) * k + c);
+      for (int r = 0; r < R; ++r) acc[r][j] = E::madd(acc[r][j], wv[r], xv);
     }
   }
   store<R, MT>(acc, y, n, m0, row, bias);
 }
 
-// ---- bf16 weights, bf16 activations --------------------------------------------------------
-template <int R, int MT>
-inline void block_bf16(const uint16_t* w, int64_t k, const uint16_t* x, int64_t m0, c10::BFloat16* y,
-                       int64_t n, int64_t row, const float* bias) {
-  __m512 acc[R][MT];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < MT; ++j) acc[r][j] = _mm512_setzero_ps();
-  int64_t c = 0;
-  for (; c + 32 <= k; c += 32) {
-    __m512i wv[R];
-    for (int r = 0; r < R; ++r) {
-      wv[r] = _mm512_loadu_si512(w + (row + r) * k + c);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (row + R + r) * k + c), _MM_HINT_T0);
+// Rows of W split across torch's threads; each task runs blocks of 4 rows (then single rows)
+// against every x row, in register tiles of kTile x rows.
+template <typename E, typename Out>
+void run_blocks(const typename E::T* w, const typename E::T* x, Out* y, int64_t m, int64_t k, int64_t n,
+                const float* bias) {
+  const int64_t blocks = (n + 3) / 4;
+  // ~64 KiB of weights per task: small matrices still split across both cores.
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (4 * k * static_cast<int64_t>(sizeof(typename E::T))));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    const int64_t end = std::min(n, b1 * 4);
+    for (int64_t row = b0 * 4; row < end;) {
+      const bool four = row + 4 <= end;
+      for (int64_t m0 = 0; m0 < m; m0 += kTile) {
+        const int64_t tile = std::min<int64_t>(kTile, m - m0);
+#define TGI_BLOCK(R, MT) block<E, R, MT>(w, k, x, m0, y, n, row, bias)
+        if (four) {
+          switch (tile) { case 1: TGI_BLOCK(4, 1); break; case 2: TGI_BLOCK(4, 2); break;
+                          case 3: TGI_BLOCK(4, 3); break; default: TGI_BLOCK(4, 4); }
+        } else {
+          switch (tile) { case 1: TGI_BLOCK(1, 1); break; case 2: TGI_BLOCK(1, 2); break;
+                          case 3: TGI_BLOCK(1, 3); break; default: TGI_BLOCK(1, 4); }
+        }
+#undef TGI_BLOCK
+      }
+      row += four ? 4 : 1;
     }
-    for (int j = 0; j < MT; ++j) {
-      const __m512i xv = _mm512_loadu_si512(x + (m0 + j) * k + c);
-      for (int r = 0; r < R; ++r)
-        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)xv);
-    }
-  }
-  if (c < k) {
-    const __mmask32 mask = static_cast<__mmask32>((1u << (k - c)) - 1u);
-    __m512i wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi16(mask, w + (row + r) * k + c);
-    for (int j = 0; j < MT; ++j) {
-      const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + (m0 + j) * k + c);
-      for (int r = 0; r < R; ++r)
-        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[r], (__m512bh)xv);
-    }
-  }
-  store<R, MT>(acc, y, n, m0, row, bias);
+  });
 }
-
-// Rows [row0, row1) of W against every x row, in register tiles of kTile x rows.
-template <typename Block1, typename Block4>
-inline void run_rows(int64_t row0, int64_t row1, int64_t m, Block1 one_row, Block4 four_rows) {
-  int64_t row = row0;
-  for (; row + 4 <= row1; row += 4) four_rows(row, m);
-  for (; row < row1; ++row) one_row(row, m);
-}
-
-#define DISPATCH_TILE(BLOCK, R, ...)                                              \
-  for (int64_t m0 = 0; m0 < m; m0 += kTile) {                                   \
-    switch (std::min<int64_t>(kTile, m - m0)) {                                  \
-      case 1: BLOCK<R, 1>(__VA_ARGS__); break;                                   \
-      case 2: BLOCK<R, 2>(__VA_ARGS__); break;                                   \
-      case 3: BLOCK<R, 3>(__VA_ARGS__); break;                                   \
-      default: BLOCK<R, 4>(__VA_ARGS__); break;                                  \
-    }                                                                            \
-  }
 
 torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight,
                              const c10::optional<torch::Tensor>& bias) {
@@ -172,29 +162,14 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight
   const torch::Tensor bias32 = has_bias ? bias->to(torch::kFloat).contiguous() : torch::Tensor();
   const float* bp = has_bias ? bias32.data_ptr<float>() : nullptr;
   auto y = torch::empty({m, n}, x.options());
-  const int64_t blocks = (n + 3) / 4;
-  // ~64 KiB of weights per task: small matrices still split across both cores.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (4 * k * weight.element_size()));
   if (x.scalar_type() == torch::kFloat) {
-    const float* w = weight.data_ptr<float>();
-    const float* xp = x.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-      run_rows(b0 * 4, std::min(n, b1 * 4), m,
-               [&](int64_t row, int64_t m) { DISPATCH_TILE(block_f32, 1, w, k, xp, m0, yp, n, row, bp) },
-               [&](int64_t row, int64_t m) { DISPATCH_TILE(block_f32, 4, w, k, xp, m0, yp, n, row, bp) });
-    });
+    run_blocks<Fp32>(weight.data_ptr<float>(), x.data_ptr<float>(), y.data_ptr<float>(), m, k, n, bp);
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "small_m_linear: dtype ", x.scalar_type(),
                 " is not supported (float32, bfloat16)");
-    const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
-    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-    auto* yp = y.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-      run_rows(b0 * 4, std::min(n, b1 * 4), m,
-               [&](int64_t row, int64_t m) { DISPATCH_TILE(block_bf16, 1, w, k, xp, m0, yp, n, row, bp) },
-               [&](int64_t row, int64_t m) { DISPATCH_TILE(block_bf16, 4, w, k, xp, m0, yp, n, row, bp) });
-    });
+    run_blocks<Bf16>(reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>()),
+                     reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), y.data_ptr<c10::BFloat16>(),
+                     m, k, n, bp);
   }
   return y;
 }
