@@ -89,7 +89,7 @@ def linear(x: torch.Tensor, weight: Projection, bias: torch.Tensor | None, dims:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, dims: Dims) -> torch.Tensor:
-    if dims.ops is not None and x.dtype in cpu_kernels.DTYPES and x.is_contiguous():
+    if dims.ops is not None and x.is_contiguous():
         return dims.ops.rms_norm(x, weight, dims.eps)
     return F.rms_norm(x, (x.shape[-1],), weight, dims.eps)
 
@@ -118,7 +118,7 @@ def pre_attention(
         q = rms_norm(qk[:, :, : dims.num_heads], q_norm, dims)
         k = rms_norm(qk[:, :, dims.num_heads :], k_norm, dims)
         qk = torch.cat((q, k), dim=2)
-    if dims.ops is not None and qk.dtype in cpu_kernels.DTYPES:
+    if dims.ops is not None:
         qk = dims.ops.rope(qk, cos, sin)
     else:
         qk = apply_rope(qk, cos, sin)  # [rows, new, heads + kv_heads, head_dim]
@@ -145,7 +145,7 @@ def post_attention(
         out = rms_norm(out, attn_out_norm, dims)
     h = h + out
     gate_up_out = linear(rms_norm(h, mlp_in_norm, dims), gate_up, gate_up_bias, dims)
-    if dims.ops is not None and not dims.gelu and gate_up_out.dtype in cpu_kernels.DTYPES:
+    if dims.ops is not None and not dims.gelu:
         act_up = dims.ops.silu_mul(gate_up_out)
     else:
         gate, up = gate_up_out.chunk(2, dim=-1)
@@ -218,15 +218,16 @@ class FastLlamaRunner:
         self.layers: list[LayerWeights] = [read_layer(layer, self.spec, self.dtype) for layer in model.model.layers]
         # bitsandbytes models keep torch's ops: their products are bnb's own, and int8/nf4
         # turn the kernels' last-bit differences in RMSNorm into ~0.4 logits.
-        ops = cpu_kernels.load() if config.kernels and not config.compile and self._dense() else None
+        # The kernels take float32 and bfloat16; decided here once, not per op.
+        use_kernels = config.kernels and not config.compile and self._dense() and self.dtype in cpu_kernels.DTYPES
+        ops = cpu_kernels.load() if use_kernels else None
         self.dims = Dims(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
                          self.spec.rms_norm_eps, self.spec.activation == "gelu_tanh", ops)
         logger.info(f"{self.name}: decode hot spots run on {'the AVX-512 kernels' if ops else 'torch'}")
         # Decode steps of the Llama family run each layer as one compiled call (decode_layer);
         # its arguments are gathered here once. Gemma 3's extra norms and GELU stay in Python.
         self._fused_layers = ([FusedLayer.of(lw) for lw in self.layers]
-                              if ops is not None and self.spec.family == "llama" and self.dtype in cpu_kernels.DTYPES
-                              else None)
+                              if ops is not None and self.spec.family == "llama" else None)
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
         self.lm_head = model.lm_head.weight.detach().to(self.dtype)  # tied: the same tensor as embed
         self.final_norm = read_final_norm(model, self.spec, self.dtype)
@@ -296,7 +297,7 @@ class FastLlamaRunner:
                                          mask, dims.num_heads, dims.num_kv_heads, dims.eps, self.spec.attention_scale)
         q, k, v = self._pre(h, cos, sin, *layer.pre, dims)  # [rows, new, heads, head_dim]
         keys, values = cache.append(index, k.transpose(1, 2), v.transpose(1, 2))  # [rows, kv, total, dim]
-        if new == 1 and dims.ops is not None and q.dtype in cpu_kernels.DTYPES:
+        if new == 1 and dims.ops is not None:
             attn = dims.ops.decode_attention(q, keys, values, mask, self.spec.attention_scale)
         else:
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
