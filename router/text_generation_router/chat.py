@@ -75,20 +75,9 @@ def chat_parameters(req: ChatRequest, state: AppState) -> GenerateParameters:
     )
 
 
-def _flatten(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Content parts become one string: templates of text models expect strings."""
-    flat = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        flat.append({**m, "content": content if content is not None else ""})
-    return flat
-
-
 def render_prompt(req: ChatRequest, state: AppState) -> str:
     try:
-        return state.tokenizer.apply_chat_template(_flatten(req.messages))
+        return state.tokenizer.apply_chat_template([m.template_dict() for m in req.messages])
     except TemplateError as err:
         raise TemplateFailed(str(err)) from err
 

@@ -14,10 +14,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from text_generation_router.errors import (
-    GenerationFailed,
     IncompleteGeneration,
     Overloaded,
     ValidationFailed,
+    error_from_event,
 )
 from text_generation_router.events import (
     ErrorEvent,
@@ -41,6 +41,7 @@ from text_generation_router.validation import (
     check_layer_skip,
     check_lengths,
     check_sampling_parameters,
+    refuse_unimplemented,
 )
 
 
@@ -109,6 +110,7 @@ class Infer:
             lengths = check_lengths(inputs, p, num_tokens, self.limits.serving)
             check_layer_skip(p.layer_skip)
             grammar = check_grammar(p, self.limits)
+            refuse_unimplemented(p)
         except ValidationError as err:
             raise ValidationFailed(str(err)) from err
         request = build_valid_request(inputs, p, lengths, grammar, add_special_tokens)
@@ -131,7 +133,7 @@ class Infer:
                 event = await entry.events.get()
                 if isinstance(event, ErrorEvent):
                     finished = True
-                    raise GenerationFailed(event.message)
+                    raise error_from_event(event.kind, event.message)
                 if not timing.first_batched:
                     timing.first_batched = entry.batched_at or time.monotonic()
                 yield event
@@ -139,8 +141,9 @@ class Infer:
                     finished = True
                     return
         finally:
-            if not finished:
+            if not finished:  # the client went away: counted once, here, wherever it was
                 entry.dropped = True
+                self.metrics.request_failure.labels(err="dropped").inc()
 
     async def generate(self, request: ValidRequest, timing: Timing) -> Generation:
         """Run a request to completion and collect its tokens."""
