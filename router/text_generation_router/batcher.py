@@ -59,6 +59,7 @@ class Batcher:
         metrics: Metrics,
         health: Health,
         scheduling: tuple[float, int, int | None],
+        first_batch_id: int = 0,
     ) -> None:
         self.client = client
         self.queue = queue
@@ -67,7 +68,7 @@ class Batcher:
         self.metrics = metrics
         self.health = health
         self.waiting_served_ratio, self.max_waiting_tokens, self.max_batch_size = scheduling
-        self._next_batch_id = 0
+        self._next_batch_id = first_batch_id
         # Every entry taken from the queue for the batch being served, until it ends.
         self.in_flight: list[Entry] = []
 

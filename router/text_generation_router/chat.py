@@ -15,10 +15,12 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from text_generation_router import __version__, sse
+from text_generation_router.connection import unless_disconnected
 from text_generation_router.errors import InferError, TemplateFailed
 from text_generation_router.events import TokenEvent
 from text_generation_router.http_body import read_json
 from text_generation_router.infer import Generation, Timing
+from text_generation_router.openapi import body_route, json_or_sse_ok
 from text_generation_router.responses import generate_headers, stream_headers
 from text_generation_router.schemas import (
     ChatRequest,
@@ -264,15 +266,17 @@ async def _completion_events(
 def register_openai_routes(app: FastAPI, state: AppState) -> None:
     limit = state.config.payload_limit
 
-    @app.post("/v1/chat/completions", openapi_extra={"requestBody": {"content": {
-        "application/json": {"schema": ChatRequest.model_json_schema()}}}})
+    @app.post("/v1/chat/completions", openapi_extra=body_route(
+        ChatRequest, json_or_sse_ok("ChatCompletion, or chat.completion.chunk events ending with [DONE]")))
     async def chat(request: Request) -> Response:
-        return await chat_completion(state, await read_json(request, ChatRequest, limit))
+        body = await read_json(request, ChatRequest, limit)
+        return await unless_disconnected(request, chat_completion(state, body))
 
-    @app.post("/v1/completions", openapi_extra={"requestBody": {"content": {
-        "application/json": {"schema": CompletionRequest.model_json_schema()}}}})
+    @app.post("/v1/completions", openapi_extra=body_route(
+        CompletionRequest, json_or_sse_ok("CompletionFinal, or text_completion events ending with [DONE]")))
     async def completions(request: Request) -> Response:
-        return await completion(state, await read_json(request, CompletionRequest, limit))
+        body = await read_json(request, CompletionRequest, limit)
+        return await unless_disconnected(request, completion(state, body))
 
 
 __all__ = ["Grammar", "register_openai_routes"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from text_generation_router.errors import (
     IncompleteGeneration,
     Overloaded,
+    ShuttingDown,
     ValidationFailed,
     error_from_event,
 )
@@ -31,7 +32,7 @@ from text_generation_router.events import (
 from text_generation_router.metrics import Metrics
 from text_generation_router.queue import Queue
 from text_generation_router.schemas import GenerateParameters
-from text_generation_router.tokenizer import Tokenizer
+from text_generation_router.tokenizer import Tokenizer, TokenSpan
 from text_generation_router.validation import (
     Limits,
     ValidationError,
@@ -81,11 +82,15 @@ class Infer:
         self.metrics = metrics
         self.max_concurrent_requests = max_concurrent_requests
         self.in_flight = 0
+        self.draining = False  # set on SIGTERM (shutdown.py): new requests are refused
         self._pool = ThreadPoolExecutor(validation_workers, thread_name_prefix="validation")
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
-        """One of max_concurrent_requests; refused at once (429) when none is free."""
+        """One of max_concurrent_requests; refused at once (429) when none is free, and with
+        503 once the router is shutting down."""
+        if self.draining:
+            raise ShuttingDown("new requests are refused")
         if self.in_flight >= self.max_concurrent_requests:
             raise Overloaded()
         self.in_flight += 1
@@ -119,6 +124,14 @@ class Infer:
         self.metrics.request_max_new_tokens.observe(request.max_new_tokens)
         return request
 
+    async def tokenize(self, inputs: str) -> list[TokenSpan]:
+        """/tokenize: on a validation worker, refused past max_input_tokens (upstream's message)."""
+        spans = await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenizer.spans, inputs)
+        max_input = self.limits.serving.max_input_tokens
+        if len(spans) > max_input:
+            raise ValidationFailed(f"`inputs` must have less than {max_input} tokens. Given: {len(spans)}")
+        return spans
+
     async def stream(self, request: ValidRequest, timing: Timing) -> AsyncIterator[InferEvent]:
         """Queue a validated request and yield its events until its last token.
 
@@ -136,9 +149,10 @@ class Infer:
                     raise error_from_event(event.kind, event.message)
                 if not timing.first_batched:
                     timing.first_batched = entry.batched_at or time.monotonic()
+                # Set before the yield: a consumer may stop iterating at the last token.
+                finished = isinstance(event, TokenEvent) and event.end is not None
                 yield event
-                if isinstance(event, TokenEvent) and event.end is not None:
-                    finished = True
+                if finished:
                     return
         finally:
             if not finished:  # the client went away: counted once, here, wherever it was
