@@ -140,6 +140,7 @@ class Batcher:
                 waiting_steps = 1
             cached = await self._decode(entries, batches)
             waiting_steps += 1
+            self.in_flight = [e for e in self.in_flight if not e.done]  # a batch may run for hours
 
     async def _admit(
         self, cached: pb.CachedBatch, entries: dict[int, Entry], waiting_steps: int

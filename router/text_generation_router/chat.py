@@ -19,7 +19,7 @@ from text_generation_router.connection import unless_disconnected
 from text_generation_router.errors import InferError, TemplateFailed
 from text_generation_router.events import TokenEvent
 from text_generation_router.http_body import read_json
-from text_generation_router.infer import Generation, Timing
+from text_generation_router.infer import Generation, Timing, run_together
 from text_generation_router.openapi import body_route, json_or_sse_ok
 from text_generation_router.responses import generate_headers, stream_headers
 from text_generation_router.schemas import (
@@ -212,7 +212,7 @@ async def completion(state: AppState, req: CompletionRequest) -> Response:
                                      media_type="text/event-stream",
                                      headers=stream_headers(sum(len(x) for x in prompts)))
         async with state.infer.slot():
-            gens = await asyncio.gather(*(_generate_one(state, x, p, Timing()) for x in prompts))
+            gens = await run_together([_generate_one(state, x, p, Timing()) for x in prompts])
     except InferError as err:
         state.metrics.request_failure.labels(err=err.metric_label).inc()
         raise
@@ -248,7 +248,7 @@ async def _completion_events(
     async def run_all() -> None:
         try:
             async with state.infer.slot():
-                await asyncio.gather(*(one(i, x) for i, x in enumerate(prompts)))
+                await run_together([one(i, x) for i, x in enumerate(prompts)])
         except InferError as err:
             state.metrics.request_failure.labels(err=err.metric_label).inc()
             await out.put(sse.event({"error": {"message": err.message, "http_status_code": 422}}))

@@ -131,6 +131,7 @@ def dispatch_generations(
         if entry is None:
             continue
         if entry.dropped or entry.done:  # client gone (counted by Infer), or already failed
+            entry.done = True
             del entries[g.request_id]
             continue
         report = _layer_skip(g)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from text_generation_router.errors import (
     IncompleteGeneration,
@@ -44,6 +45,19 @@ from text_generation_router.validation import (
     check_sampling_parameters,
     refuse_unimplemented,
 )
+
+T = TypeVar("T")
+
+
+async def run_together(works: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """The results of requests that answer one HTTP call (best_of, several prompts), or the
+    first error with the others cancelled: their requests are dropped, not left running."""
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 @dataclass
