@@ -4,7 +4,7 @@ token for token, alone and in a batch that mixes off, shadow, verified and --spe
 
 Drafting is forced on (`auto_off = False`), so every step of a verified request is a real cycle
 whatever the cost model says on this CPU. Bounded for `make test`: one prompt per class (HumanEval
-completion, code editing, chat, summarisation), 32 new tokens. The full check, 16 prompts per
+completion, code editing, chat, summarisation), 24 new tokens. The full check, 16 prompts per
 class (64 prompts), 64 tokens, on either Qwen model:
     TGI_VERIFIED_PER_CLASS=16 TGI_VERIFIED_TOKENS=64 [TGI_VERIFIED_MODEL=Qwen/Qwen2.5-Coder-1.5B-Instruct] \
         .venv/bin/pytest -q tests/server/test_verified_qwen.py
@@ -36,7 +36,7 @@ from factories import make_request
 
 MODEL_ID = os.environ.get("TGI_VERIFIED_MODEL", "Qwen/Qwen2.5-Coder-0.5B-Instruct")
 PER_CLASS = int(os.environ.get("TGI_VERIFIED_PER_CLASS", "1"))
-NEW_TOKENS = int(os.environ.get("TGI_VERIFIED_TOKENS", "32"))
+NEW_TOKENS = int(os.environ.get("TGI_VERIFIED_TOKENS", "24"))
 
 
 class Qwen:

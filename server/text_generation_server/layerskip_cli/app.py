@@ -174,7 +174,12 @@ def calibrate(model_id: ModelArg = DEFAULT_MODEL_ID,
               per_class: Annotated[int | None, typer.Option("--per-class", help="verified: prompts per class and "
                                                             "split.")] = None,
               verify_cost: Annotated[str, typer.Option("--verify-cost", help="verified: measured, or flat (a forward "
-                                                       "of up to 8 tokens costs one step).")] = "measured") -> None:
+                                                       "of up to 8 tokens costs one step).")] = "measured",
+              layer_order: Annotated[str, typer.Option("--layer-order", help="verified: layers safest first "
+                                                       "(default: ranked here).")] = "",
+              heldout_per_class: Annotated[int | None, typer.Option("--heldout-per-class", help="verified: held-out "
+                                                                    "prompts per class (default --per-class).")] = None,
+              ) -> None:
     """Write a policy: lossy, the cell skipping most layers at the target; verified, the fastest drafts per class."""
     import json
 
@@ -186,7 +191,8 @@ def calibrate(model_id: ModelArg = DEFAULT_MODEL_ID,
     prompt_set = _prompts(prompts)
     if objective == "verified":
         _calibrate_verified(model_id, out, prompt_set, quantize, dtype, profile_csv, skip_depths, vocab_sizes,
-                            per_class, new_tokens, verify_cost)
+                            (per_class, per_class if heldout_per_class is None else heldout_per_class), new_tokens,
+                            verify_cost, layer_order)
         return
     sweep_path = sweep_dir / "sweep.json"
     if not sweep_path.is_file():
@@ -221,19 +227,21 @@ def _per_class(prompts: list[Prompt], limit: int | None) -> list[Prompt]:
 
 
 def _calibrate_verified(model_id: str, out: Path, prompt_set: PromptSet, quantize: Quantize | None, dtype: Dtype,
-                        profile_csv: Path | None, skip_depths: str, vocab_sizes: str, per_class: int | None,
-                        new_tokens: int, verify_cost: str) -> None:
+                        profile_csv: Path | None, skip_depths: str, vocab_sizes: str,
+                        per_class: tuple[int | None, int | None], new_tokens: int, verify_cost: str,
+                        layer_order: str) -> None:
     from .calibrate_verified import VerifiedConfig, calibrate_verified
 
     try:
         config = VerifiedConfig(tuple(int(d) for d in skip_depths.split(",")),
-                                tuple(int(v) for v in vocab_sizes.split(",")), new_tokens, verify_cost)
+                                tuple(int(v) for v in vocab_sizes.split(",")), new_tokens, verify_cost,
+                                tuple(int(i) for i in layer_order.split(",") if i.strip()))
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     spec = ModelSpec(model_id, quantize.value if quantize else None, dtype.value)
     engine = _load(spec)
-    calibration = _per_class(prompt_set.split("calibration"), per_class)
-    heldout = _per_class(prompt_set.split("heldout"), per_class)
+    calibration = _per_class(prompt_set.split("calibration"), per_class[0])
+    heldout = _per_class(prompt_set.split("heldout"), per_class[1]) if per_class[1] != 0 else []
     evidence = calibrate_verified(engine, prompt_set, calibration, heldout, profile_csv, config, out)
     note(f"wrote {out}: default drafts skip {evidence['default']['skip']} with head {evidence['default']['vocab']}, "
          f"{len(evidence['rules'])} detector rules; predicted speed-up {evidence['predicted_speedup']}")

@@ -46,12 +46,14 @@ class VerifiedConfig:
         new_tokens: greedy tokens per prompt.
         verify_cost: "measured" (the runner as it is) or "flat" (a forward of up to 8 tokens costs
             one step: the multi-token fast path's target; draft costs stay measured).
+        layer_order: layers from safest to riskiest, when known (else ranked by a measurement).
     """
 
     depths: tuple[int, ...] = (2, 4, 6, 8, 10, 12)
     sizes: tuple[int, ...] = (0, 32768, 16384, 8192, 4096)
     new_tokens: int = 32
     verify_cost: str = "measured"
+    layer_order: tuple[int, ...] = ()  # given: skip sets are its prefixes (no ranking pass)
 
     def __post_init__(self) -> None:
         if self.verify_cost not in ("measured", "flat"):
@@ -139,7 +141,7 @@ def calibrate_verified(engine: Engine, prompt_set: PromptSet, calibration: list[
     """Run the whole calibration (module docstring); returns the evidence."""
     # The ranking runs one teacher-forced forward per layer and prompt: the two shortest prompts keep it cheap.
     shortest = sorted(calibration, key=lambda p: len(p.render(engine.tokenizer)))[:2]
-    order = layer_order(engine, profile_csv, shortest, config.new_tokens)
+    order = list(config.layer_order) or layer_order(engine, profile_csv, shortest, config.new_tokens)
     skip_sets = [frozenset(order[:d]) for d in config.depths if d <= len(order)]
     runs = measure_runs(engine, calibration, skip_sets, config.new_tokens, "calibrate: acceptance")
     vocab_size = int(engine.model.get_input_embeddings().weight.shape[0])
