@@ -23,9 +23,10 @@ import torch
 
 from .draft_head import DraftHeads
 from .runner.base import Runner
+from .runner.kv_cache import KVCache
 
 MAX_DRAFT = 6  # the largest k without --speculate; Info.speculate reports the limit in force
-TOKEN_LADDER = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 28)  # new tokens per measured forward
+TOKEN_LADDER = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 28)  # new tokens per measured forward
 DRAFT_ROWS = (1, 4)
 
 DraftKey = tuple[frozenset[int], int]  # (layers bypassed, head size; 0 = the full head)
@@ -160,14 +161,23 @@ class _Timer:
 
     def __init__(self, runner: Runner, repeats: int, context: int) -> None:
         self.runner, self.repeats, self.context = runner, repeats, context
+        self.caches: dict[int, KVCache] = {}  # one prefilled context per row count (a prefill is costly)
+
+    def _cache(self, rows: int) -> KVCache:
+        cache = self.caches.get(rows)
+        if cache is None:
+            context = self.context
+            cache = self.caches[rows] = self.runner.new_cache(rows)
+            ids = torch.zeros((rows, context), dtype=torch.long)
+            mask = torch.ones((rows, context), dtype=torch.long)
+            self.runner.forward(ids, torch.arange(context).repeat(rows, 1), mask, cache)
+        return cache
 
     def time(self, rows: int, new: int, skip: frozenset[int] = frozenset(), head: torch.Tensor | None = None) -> float:
         runner, context = self.runner, self.context
         times = []
         repeats = self.repeats if rows * new <= 8 else 1  # the large forwards only set the slope
-        cache = runner.new_cache(rows)
-        ids = torch.zeros((rows, context), dtype=torch.long)
-        runner.forward(ids, torch.arange(context).repeat(rows, 1), torch.ones((rows, context), dtype=torch.long), cache)
+        cache = self._cache(rows)
         for _ in range(repeats):
             cache.crop(context)
             start = time.perf_counter()
