@@ -19,6 +19,8 @@ WORKDIR /usr/src/tgi
 COPY server ./server
 COPY router ./router
 COPY scripts/install.sh ./scripts/install.sh
+# The shipped layer-skip policies (`--layer-skip-policy auto` reads TGI_POLICY_DIR).
+COPY policies /opt/tgi-policies
 
 # One install procedure for the image and the test suite (tests/deploy/test_install_script.py).
 # The default model is converted into /opt/tgi-models, outside /data, so a volume mounted at
@@ -42,7 +44,8 @@ RUN apt-get update \
 
 ENV PORT=80 \
     HUGGINGFACE_HUB_CACHE=/data \
-    TGI_PREBUILT_HUB_CACHE=/opt/tgi-models
+    TGI_PREBUILT_HUB_CACHE=/opt/tgi-models \
+    TGI_POLICY_DIR=/opt/tgi-policies
 
 USER 1000:1000
 WORKDIR /home/tgi

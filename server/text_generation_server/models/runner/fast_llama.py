@@ -263,6 +263,7 @@ class FastLlamaRunner:
         last_only: bool = True,
         skip_layers: frozenset[int] = frozenset(),
         bypass_biases: Mapping[int, torch.Tensor] | None = None,
+        head: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rows, new = input_ids.shape
         expected = (rows, cache.length + new)
@@ -284,7 +285,7 @@ class FastLlamaRunner:
         cache.advance(new)
         if last_only:
             h = h[:, -1:]
-        return self._logits(h)
+        return self._logits(h, head)
 
     def _layer(self, index: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -305,9 +306,10 @@ class FastLlamaRunner:
             attn = attn.transpose(1, 2).reshape(rows, new, -1)  # [rows, new, heads * head_dim]
         return self._post(h, attn, *layer.post, dims)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
         h = rms_norm(h.contiguous(), self.final_norm, self.dims)
-        logits = linear(h, self.lm_head, None, self.dims)  # [rows, positions, vocab]
+        # A verified-mode draft may pass a reduced head (rows of lm_head, see draft_head.py).
+        logits = linear(h, self.lm_head if head is None else head, None, self.dims)  # [rows, positions, vocab]
         if self.spec.final_logit_softcap is not None:
             cap = self.spec.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap

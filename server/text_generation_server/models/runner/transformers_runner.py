@@ -43,7 +43,10 @@ class TransformersRunner:
         last_only: bool = True,
         skip_layers: frozenset[int] = frozenset(),
         bypass_biases: Mapping[int, torch.Tensor] | None = None,
+        head: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if head is not None:
+            raise ValueError("the transformers fallback runner has no reduced draft head; use the fast runner")
         if skip_layers:
             raise ValueError(
                 f"the transformers fallback runner cannot skip layers {sorted(skip_layers)}; "
