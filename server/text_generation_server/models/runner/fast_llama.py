@@ -38,6 +38,7 @@ from loguru import logger
 
 from . import cpu_kernels
 from .fast_weights import ArchSpec, LayerWeights, Projection, norm_weight, read_layer, read_spec, rope_sources
+from .kernel_weights import kernel_layer, log_refusals
 from .kv_cache import KVCache
 from .rope import RopeTable, apply_rope
 
@@ -77,12 +78,15 @@ class Dims:
     ops: cpu_kernels.CpuOps | None = None
 
 
-def linear(x: torch.Tensor, weight: Projection, bias: torch.Tensor | None, dims: Dims) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Projection | cpu_kernels.Projection, bias: torch.Tensor | None,
+           dims: Dims) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         if dims.ops is not None and cpu_kernels.linear_usable(x, weight):
             out = dims.ops.small_m_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
             return out.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
+    if not isinstance(weight, tuple):  # the kernels' Projection (kernel_weights.py): holds its bias
+        return weight(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], weight.n)
     if len(weight) == 1:  # bitsandbytes module: keeps its own bias and dtype handling
         return weight[0](x).to(x.dtype)
     return torch.cat([module(x) for module in weight], dim=-1).to(x.dtype)
@@ -157,34 +161,28 @@ def post_attention(
 
 
 class FusedLayer(NamedTuple):
-    """A dense Llama-family layer's weights in cpu_kernels' decode_layer argument order."""
+    """A Llama-family layer in cpu_kernels' decode_layer argument order (kernels' Projections)."""
 
     in_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: cpu_kernels.Projection
+    o_proj: cpu_kernels.Projection
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: cpu_kernels.Projection
+    down: cpu_kernels.Projection
 
     @classmethod
-    def of(cls, layer: LayerWeights) -> FusedLayer:
-        norm, qkv, qkv_bias, _, _ = layer.pre
-        o_proj, o_bias, _, mlp_norm, gate_up, gate_up_bias, down, down_bias, _ = layer.post
-        return cls(_dense(norm), _dense(qkv), _optional(qkv_bias), _dense(o_proj), _optional(o_bias), _dense(mlp_norm),
-                   _dense(gate_up), _optional(gate_up_bias), _dense(down), _optional(down_bias))
+    def of(cls, layer: LayerWeights) -> FusedLayer | None:
+        """The layer's arguments, or None when a projection kept bitsandbytes' own product."""
+        norm, qkv, _, _, _ = layer.pre
+        o_proj, _, _, mlp_norm, gate_up, _, down, _, _ = layer.post
+        if any(isinstance(p, (torch.Tensor, tuple)) for p in (qkv, o_proj, gate_up, down)):
+            return None
+        return cls(_dense(norm), qkv, o_proj, _dense(mlp_norm), gate_up, down)  # type: ignore[arg-type]
 
 
 def _dense(weight: object) -> torch.Tensor:
     assert isinstance(weight, torch.Tensor), f"decode_layer needs dense weights, got {type(weight).__name__}"
     return weight
-
-
-def _optional(bias: object) -> torch.Tensor | None:
-    return None if bias is None else _dense(bias)
 
 
 def additive_mask(attention_mask: torch.Tensor, new: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -216,16 +214,21 @@ class FastLlamaRunner:
         self.num_layers = self.spec.num_layers
         self.vocab_size = self.spec.vocab_size
         self.layers: list[LayerWeights] = [read_layer(layer, self.spec, self.dtype) for layer in model.model.layers]
-        # bitsandbytes models keep torch's ops: their products are bnb's own, and int8/nf4
-        # turn the kernels' last-bit differences in RMSNorm into ~0.4 logits.
-        # The kernels take float32 and bfloat16; decided here once, not per op.
-        use_kernels = config.kernels and not config.compile and self._dense() and self.dtype in cpu_kernels.DTYPES
+        # The kernels take float32 and bfloat16 (dense or bitsandbytes); decided here once, not per op.
+        use_kernels = config.kernels and not config.compile and self.dtype in cpu_kernels.DTYPES
         ops = cpu_kernels.load() if use_kernels else None
+        self.cpu_kernels = ops.variant if ops is not None else "none"
+        if ops is not None:
+            refusals: dict[str, str] = {}
+            self.layers = [kernel_layer(lw, ops, self.dtype, refusals) for lw in self.layers]
+            log_refusals(self.name, refusals)
         self.dims = Dims(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
                          self.spec.rms_norm_eps, self.spec.activation == "gelu_tanh", ops)
-        logger.info(f"{self.name}: decode hot spots run on {'the AVX-512 kernels' if ops else 'torch'}")
-        # Decode steps of the Llama family run each layer as one compiled call (decode_layer);
-        # its arguments are gathered here once. Gemma 3's extra norms and GELU stay in Python.
+        logger.info(f"{self.name}: decode hot spots run on "
+                    f"{f'the {ops.variant} CPU kernels' if ops is not None else 'torch'}")
+        # Decode steps and short multi-token forwards of the Llama family run each layer as one
+        # compiled call (decode_layer); its arguments are gathered here once. Gemma 3's extra
+        # norms and GELU stay in Python (on the same kernels).
         self._fused_layers = ([FusedLayer.of(lw) for lw in self.layers]
                               if ops is not None and self.spec.family == "llama" else None)
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
@@ -290,14 +293,16 @@ class FastLlamaRunner:
                mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
         rows, new, _ = h.shape
         dims = self.dims
-        if new == 1 and self._fused_layers is not None and dims.ops is not None:
+        few = rows * new <= cpu_kernels.MAX_ROWS  # decode steps, draft verification, short prefills
+        fused = self._fused_layers[index] if self._fused_layers is not None and few else None
+        if fused is not None and dims.ops is not None:
             k_cache, v_cache = cache.buffers(index, (rows, dims.num_kv_heads, dims.head_dim), self.dtype,
-                                             cache.length + 1)
-            return dims.ops.decode_layer(h, *self._fused_layers[index], k_cache, v_cache, cache.length, cos, sin,
-                                         mask, dims.num_heads, dims.num_kv_heads, dims.eps, self.spec.attention_scale)
+                                             cache.length + new)
+            return dims.ops.decode_layer(h, *fused, k_cache, v_cache, cache.length, cos, sin, mask, dims.num_heads,
+                                         dims.num_kv_heads, dims.eps, self.spec.attention_scale)
         q, k, v = self._pre(h, cos, sin, *layer.pre, dims)  # [rows, new, heads, head_dim]
         keys, values = cache.append(index, k.transpose(1, 2), v.transpose(1, 2))  # [rows, kv, total, dim]
-        if new == 1 and dims.ops is not None:
+        if few and dims.ops is not None:
             attn = dims.ops.decode_attention(q, keys, values, mask, self.spec.attention_scale)
         else:
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,

@@ -1,0 +1,127 @@
+// Dense few-row products: fp32 weights (FMA) and bf16 weights (widened by a shift, or the
+// AVX-512 BF16 pair dot product in the avx512_bf16 variant). See blocks.h for the design.
+#include <cstring>
+
+#include "blocks.h"
+#include "kernels.h"
+
+namespace tgi {
+namespace {
+
+using blocks::Prepared;
+using simd::F;
+
+struct F32Weights {
+  using X = float;
+  static constexpr int64_t kChunk = simd::kLanes;
+  static constexpr int kMaxTile = 4;
+  struct Vals { F v; };
+  const float* w;
+  int64_t k;
+
+  Vals load(int64_t row, int64_t c) const { return {simd::load(w + row * k + c)}; }
+  Vals load_tail(int64_t row, int64_t c, int64_t k_end) const {
+    alignas(64) float part[kChunk] = {};
+    std::memcpy(part, w + row * k + c, (k_end - c) * sizeof(float));
+    return {simd::load(part)};
+  }
+  void prefetch(int64_t row, int64_t c) const { _mm_prefetch(reinterpret_cast<const char*>(w + row * k + c), _MM_HINT_T0); }
+  int64_t row_bytes(int64_t k_) const { return k_ * 4; }
+  static F madd(F acc, const Vals& v, const float* x) { return simd::fmadd(v.v, simd::load(x), acc); }
+
+  static Prepared<float> prepare(const float* x, int64_t m, int64_t k_) {
+    Prepared<float> out(m, k_, kChunk);
+    for (int64_t j = 0; j < m; ++j) std::memcpy(out.row(j), x + j * k_, k_ * sizeof(float));
+    return out;
+  }
+};
+
+#if defined(__AVX512BF16__)
+// vdpbf16ps: pairs of bf16 products summed into fp32 lanes; x stays bf16.
+struct Bf16Weights {
+  using X = uint16_t;
+  static constexpr int64_t kChunk = 2 * simd::kLanes;
+  static constexpr int kMaxTile = 4;
+  struct Vals { __m512i v; };
+  const uint16_t* w;
+  int64_t k;
+
+  Vals load(int64_t row, int64_t c) const { return {_mm512_loadu_si512(w + row * k + c)}; }
+  Vals load_tail(int64_t row, int64_t c, int64_t k_end) const {
+    alignas(64) uint16_t part[kChunk] = {};
+    std::memcpy(part, w + row * k + c, (k_end - c) * sizeof(uint16_t));
+    return {_mm512_loadu_si512(part)};
+  }
+  void prefetch(int64_t row, int64_t c) const { _mm_prefetch(reinterpret_cast<const char*>(w + row * k + c), _MM_HINT_T0); }
+  int64_t row_bytes(int64_t k_) const { return k_ * 2; }
+  static F madd(F acc, const Vals& v, const uint16_t* x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)v.v, (__m512bh)_mm512_loadu_si512(x));
+  }
+
+  static Prepared<uint16_t> prepare(const uint16_t* x, int64_t m, int64_t k_) {
+    Prepared<uint16_t> out(m, k_, kChunk);
+    for (int64_t j = 0; j < m; ++j) std::memcpy(out.row(j), x + j * k_, k_ * sizeof(uint16_t));
+    return out;
+  }
+};
+#else
+// Widened to fp32 by a shift (exact), then FMA; x is widened once per call in the same order.
+struct Bf16Weights {
+  using X = float;
+  static constexpr int64_t kChunk = 2 * simd::kLanes;
+  static constexpr int kMaxTile = 2;
+  struct Vals { F lo, hi; };
+  const uint16_t* w;
+  int64_t k;
+
+  Vals load(int64_t row, int64_t c) const {
+    Vals v;
+    simd::widen_bf16(w + row * k + c, v.lo, v.hi);
+    return v;
+  }
+  Vals load_tail(int64_t row, int64_t c, int64_t k_end) const {
+    alignas(64) uint16_t part[kChunk] = {};
+    std::memcpy(part, w + row * k + c, (k_end - c) * sizeof(uint16_t));
+    Vals v;
+    simd::widen_bf16(part, v.lo, v.hi);
+    return v;
+  }
+  void prefetch(int64_t row, int64_t c) const { _mm_prefetch(reinterpret_cast<const char*>(w + row * k + c), _MM_HINT_T0); }
+  int64_t row_bytes(int64_t k_) const { return k_ * 2; }
+  static F madd(F acc, const Vals& v, const float* x) {
+    return simd::fmadd(v.hi, simd::load(x + simd::kLanes), simd::fmadd(v.lo, simd::load(x), acc));
+  }
+
+  static Prepared<float> prepare(const uint16_t* x, int64_t m, int64_t k_) {
+    Prepared<float> out(m, k_, kChunk);
+    std::vector<uint16_t> padded(out.padded_k, 0);
+    for (int64_t j = 0; j < m; ++j) {
+      std::memcpy(padded.data(), x + j * k_, k_ * sizeof(uint16_t));
+      for (int64_t c = 0; c < out.padded_k; c += kChunk) {
+        F lo, hi;
+        simd::widen_bf16(padded.data() + c, lo, hi);
+        simd::store(out.row(j) + c, lo);
+        simd::store(out.row(j) + c + simd::kLanes, hi);
+      }
+    }
+    return out;
+  }
+};
+#endif
+
+}  // namespace
+
+const char* variant_name() { return TGI_VARIANT; }
+
+void linear_f32(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t k, int64_t n) {
+  const F32Weights weights{w, k};
+  blocks::run(weights, F32Weights::prepare(x, m, k), m, k, n, bias, y);
+}
+
+void linear_bf16(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t m, int64_t k,
+                 int64_t n) {
+  const Bf16Weights weights{w, k};
+  blocks::run(weights, Bf16Weights::prepare(x, m, k), m, k, n, bias, y);
+}
+
+}  // namespace tgi
