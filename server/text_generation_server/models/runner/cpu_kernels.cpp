@@ -298,7 +298,8 @@ Tensor decode_layer(const Tensor& h, const Tensor& in_norm, const Projection& qk
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   namespace py = pybind11;
-  py::class_<Projection>(module, "Projection", "a weight in one of the kernels' formats, with its bias")
+  // module_local: each variant's module registers its own Projection type (tests load several).
+  py::class_<Projection>(module, "Projection", py::module_local(), "a weight in one of the kernels' formats")
       .def_static("dense", &Projection::dense, "fp32/bf16 weight [n, k]")
       .def_static("four_bit", &Projection::four_bit, "bitsandbytes 4-bit codes, absmax, table, blocksize, n, k")
       .def_static("int8", &Projection::int8, "bitsandbytes LLM.int8(): CB, SCB, bias, threshold")

@@ -71,22 +71,31 @@ inline void block(const W& w, const Prepared<typename W::X>& x, int64_t k, int64
   F acc[R][MT];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < MT; ++j) acc[r][j] = simd::zero();
-  const int64_t whole = k / W::kChunk * W::kChunk;
-  auto step = [&](int64_t c, bool tail) {
-    typename W::Vals v[R];
-    for (int r = 0; r < R; ++r) {
-      v[r] = tail ? w.load_tail(row + r, c, k) : w.load(row + r, c);
-      // The next block's rows: R short streams confuse the hardware prefetcher. (Past the last
-      // row this names memory outside W: prefetches are hints and never fault.)
-      w.prefetch(row + R + r, c);
-    }
+  auto multiply = [&](const typename W::Vals (&v)[R], int64_t c) {
     for (int j = 0; j < MT; ++j) {
       const typename W::X* xj = x.row(m0 + j) + c;
       for (int r = 0; r < R; ++r) acc[r][j] = W::madd(acc[r][j], v[r], xj);
     }
   };
-  for (int64_t c = 0; c < whole; c += W::kChunk) step(c, false);
-  if (whole < k) step(whole, true);
+  // The first tile streams the block from memory and asks for the next block's rows (R short
+  // streams confuse the hardware prefetcher; past the last row this names memory outside W:
+  // prefetches are hints and never fault); later tiles find the block in L1.
+  const bool first = m0 == 0;
+  const int64_t whole = k / W::kChunk * W::kChunk;
+  for (int64_t c = 0; c < whole; c += W::kChunk) {
+    typename W::Vals v[R];
+    for (int r = 0; r < R; ++r) v[r] = w.load(row + r, c);
+#ifndef TGI_NO_PREFETCH
+    if (first)
+      for (int r = 0; r < R; ++r) w.prefetch(row + R + r, c);
+#endif
+    multiply(v, c);
+  }
+  if (whole < k) {
+    typename W::Vals v[R];
+    for (int r = 0; r < R; ++r) v[r] = w.load_tail(row + r, whole, k);
+    multiply(v, whole);
+  }
   store<R, MT>(acc, y, n, m0, row, bias);
 }
 
