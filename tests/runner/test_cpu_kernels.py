@@ -124,6 +124,25 @@ def test_decode_attention_matches_sdpa_on_cache_views(ops: cpu_kernels.CpuOps, d
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_and_rope_match_torch(ops: cpu_kernels.CpuOps, dtype: torch.dtype) -> None:
+    """silu's exp is vectorized (within 2 ulp of expf); gates out to +-120 cover its clamping."""
+    generator = torch.Generator().manual_seed(4)
+    for inner in (1, 37, 1536):
+        gate_up = (torch.randn(3, 2 * inner, generator=generator) * 6).to(dtype)
+        gate_up[0, :inner:3] *= 20
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        expected = torch.nn.functional.silu(gate) * up
+        error = _relative_error(ops.silu_mul(gate_up), expected)
+        assert error <= (1e-6 if dtype == torch.float32 else 2**-7), f"silu_mul {inner} {dtype}: error {error}"
+    x = torch.randn(2, 3, 5, 64, generator=generator).to(dtype)  # [rows, new, heads, dim]
+    cos, sin = torch.randn(2, 3, 1, 64, generator=generator).to(dtype), torch.randn(2, 3, 1, 64).to(dtype)
+    expected = x.double() * cos.double() + x.double().roll(32, dims=-1) * sin.double()
+    error = _relative_error(ops.rope(x, cos, sin), expected)
+    assert error <= (1e-6 if dtype == torch.float32 else 2**-7), f"rope {dtype}: error {error}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_of_several_new_tokens_is_causal_over_cache_and_new(ops: cpu_kernels.CpuOps,
                                                                      dtype: torch.dtype) -> None:
     """Draft verification: 5 new tokens per row after 30 cached columns, a causal mask among them."""

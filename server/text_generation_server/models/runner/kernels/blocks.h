@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "simd.h"
@@ -40,6 +41,35 @@ struct Prepared {
   Prepared(int64_t m, int64_t k, int64_t chunk) : values(m * round_up(k, chunk), X{}), padded_k(round_up(k, chunk)) {}
   X* row(int64_t j) { return values.data() + j * padded_k; }
   const X* row(int64_t j) const { return values.data() + j * padded_k; }
+};
+
+// fp32 weights, used as they are (also the decoded blocks of quantized weights).
+struct F32Weights {
+  using X = float;
+  static constexpr int64_t kChunk = simd::kLanes;
+  static constexpr int kMaxTile = 4;
+  static constexpr int kTallTile = 6;  // AVX2, pairs of weight rows: 12 sums + 2 weights + x
+  struct Vals { F v; };
+  const float* w;
+  int64_t k;
+  int64_t first_row = 0;  // w holds rows first_row.. (a decoded block of quantized rows)
+
+  const float* at(int64_t row, int64_t c) const { return w + (row - first_row) * k + c; }
+  Vals load(int64_t row, int64_t c) const { return {simd::load(at(row, c))}; }
+  Vals load_tail(int64_t row, int64_t c, int64_t k_end) const {
+    alignas(64) float part[kChunk] = {};
+    std::memcpy(part, at(row, c), (k_end - c) * sizeof(float));
+    return {simd::load(part)};
+  }
+  void prefetch(int64_t row, int64_t c) const { _mm_prefetch(reinterpret_cast<const char*>(at(row, c)), _MM_HINT_T0); }
+  int64_t row_bytes(int64_t k_) const { return k_ * 4; }
+  static F madd(F acc, const Vals& v, const float* x) { return simd::fmadd(v.v, simd::load(x), acc); }
+
+  static Prepared<float> prepare(const float* x, int64_t m, int64_t k_) {
+    Prepared<float> out(m, k_, kChunk);
+    for (int64_t j = 0; j < m; ++j) std::memcpy(out.row(j), x + j * k_, k_ * sizeof(float));
+    return out;
+  }
 };
 
 // Writes rows r of acc (+ bias) to y[m0 + j, row + r] for the R rows and MT x rows of a block.
@@ -99,18 +129,37 @@ inline void block(const W& w, const Prepared<typename W::X>& x, int64_t k, int64
   store<R, MT>(acc, y, n, m0, row, bias);
 }
 
-template <class W, int R, typename Out>
-inline void rows_against_all_x(const W& w, const Prepared<typename W::X>& x, int64_t m, int64_t k, Out* y, int64_t n, int64_t row,
-                               const float* bias) {
-  constexpr int kTile = std::min(kTileLimit, W::kMaxTile);
+// x rows m0.. in tiles of T (the last one shorter), against weight rows row .. row + R.
+template <class W, int R, int T, typename Out>
+inline void tiles(const W& w, const Prepared<typename W::X>& x, int64_t m, int64_t k, Out* y, int64_t n, int64_t row,
+                  const float* bias) {
   int64_t m0 = 0;
-  for (; m0 + kTile <= m; m0 += kTile) block<W, R, kTile>(w, x, k, m0, y, n, row, bias);
+  for (; m0 + T <= m; m0 += T) block<W, R, T>(w, x, k, m0, y, n, row, bias);
   switch (m - m0) {  // the last partial tile
-    case 3: if constexpr (kTile > 3) block<W, R, 3>(w, x, k, m0, y, n, row, bias); break;
-    case 2: if constexpr (kTile > 2) block<W, R, 2>(w, x, k, m0, y, n, row, bias); break;
-    case 1: if constexpr (kTile > 1) block<W, R, 1>(w, x, k, m0, y, n, row, bias); break;
+    case 5: if constexpr (T > 5) block<W, R, 5>(w, x, k, m0, y, n, row, bias); break;
+    case 4: if constexpr (T > 4) block<W, R, 4>(w, x, k, m0, y, n, row, bias); break;
+    case 3: if constexpr (T > 3) block<W, R, 3>(w, x, k, m0, y, n, row, bias); break;
+    case 2: if constexpr (T > 2) block<W, R, 2>(w, x, k, m0, y, n, row, bias); break;
+    case 1: if constexpr (T > 1) block<W, R, 1>(w, x, k, m0, y, n, row, bias); break;
     default: break;
   }
+}
+
+// Weight rows row .. row + R against every x row. With 16 vector registers (AVX2) a block of 4
+// weight rows leaves room for 2 x rows per tile; from 3 x rows on, pairs of weight rows in
+// tiles of W::kTallTile x rows load each weight chunk fewer times (3..6 rows: once).
+template <class W, int R, typename Out>
+inline void rows_against_all_x(const W& w, const Prepared<typename W::X>& x, int64_t m, int64_t k, Out* y, int64_t n,
+                               int64_t row, const float* bias) {
+#if !defined(__AVX512F__)
+  if constexpr (R == kRows) {
+    if (m >= 3) {
+      for (int r = 0; r < R; r += 2) tiles<W, 2, W::kTallTile>(w, x, m, k, y, n, row + r, bias);
+      return;
+    }
+  }
+#endif
+  tiles<W, R, std::min(kTileLimit, W::kMaxTile)>(w, x, m, k, y, n, row, bias);
 }
 
 // The whole product: blocks of kRows weight rows (then single rows) split across the threads.

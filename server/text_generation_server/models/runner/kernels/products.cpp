@@ -8,33 +8,9 @@
 namespace tgi {
 namespace {
 
+using blocks::F32Weights;
 using blocks::Prepared;
 using simd::F;
-
-struct F32Weights {
-  using X = float;
-  static constexpr int64_t kChunk = simd::kLanes;
-  static constexpr int kMaxTile = 4;
-  struct Vals { F v; };
-  const float* w;
-  int64_t k;
-
-  Vals load(int64_t row, int64_t c) const { return {simd::load(w + row * k + c)}; }
-  Vals load_tail(int64_t row, int64_t c, int64_t k_end) const {
-    alignas(64) float part[kChunk] = {};
-    std::memcpy(part, w + row * k + c, (k_end - c) * sizeof(float));
-    return {simd::load(part)};
-  }
-  void prefetch(int64_t row, int64_t c) const { _mm_prefetch(reinterpret_cast<const char*>(w + row * k + c), _MM_HINT_T0); }
-  int64_t row_bytes(int64_t k_) const { return k_ * 4; }
-  static F madd(F acc, const Vals& v, const float* x) { return simd::fmadd(v.v, simd::load(x), acc); }
-
-  static Prepared<float> prepare(const float* x, int64_t m, int64_t k_) {
-    Prepared<float> out(m, k_, kChunk);
-    for (int64_t j = 0; j < m; ++j) std::memcpy(out.row(j), x + j * k_, k_ * sizeof(float));
-    return out;
-  }
-};
 
 #if defined(__AVX512BF16__)
 // vdpbf16ps: pairs of bf16 products summed into fp32 lanes; x stays bf16.
@@ -42,6 +18,7 @@ struct Bf16Weights {
   using X = uint16_t;
   static constexpr int64_t kChunk = 2 * simd::kLanes;
   static constexpr int kMaxTile = 4;
+  static constexpr int kTallTile = 4;  // unused (AVX-512)
   struct Vals { __m512i v; };
   const uint16_t* w;
   int64_t k;
@@ -70,6 +47,7 @@ struct Bf16Weights {
   using X = float;
   static constexpr int64_t kChunk = 2 * simd::kLanes;
   static constexpr int kMaxTile = 2;
+  static constexpr int kTallTile = 5;  // AVX2, pairs of weight rows: 10 sums + 4 weights + x
   struct Vals { F lo, hi; };
   const uint16_t* w;
   int64_t k;

@@ -34,47 +34,137 @@ using blocks::Prepared;
 using simd::F;
 using simd::I;
 
-struct Nibbles {
-  using X = float;
-  static constexpr int64_t kChunk = 2 * simd::kLanes;  // weights per chunk: kLanes bytes
-  static constexpr int kMaxTile = 2;
-  struct Vals { F even, odd; };
-  const uint8_t* codes;
-  const float* absmax;
-  simd::Table16 table;
-  int shift;  // log2(blocksize)
-  int64_t k;
-  bool round_bf16;
+// ---- 4-bit ------------------------------------------------------------------------------------
+// A chunk is 32 weights (16 bytes of codes, one absmax block: blocksizes are powers of two >= 32),
+// decoded to kVectors fp32 vectors in the order below; x is prepared in the same order.
+#if defined(__AVX512F__)
+constexpr int kVectors = 2;  // [even elements 0..30], [odd elements 1..31]: high, low nibbles
 
-  Vals load(int64_t row, int64_t c) const {
-    const int64_t e = row * k + c;
-    const I bytes = simd::bytes_to_i32(codes + e / 2);
-    const F scale = simd::set1(absmax[e >> shift]);
-    Vals v{simd::mul(table(simd::shift_right4(bytes)), scale), simd::mul(table(simd::low4(bytes)), scale)};
-    if (round_bf16) v = {simd::round_to_bf16(v.even), simd::round_to_bf16(v.odd)};
-    return v;
-  }
-  Vals load_tail(int64_t, int64_t, int64_t) const { return {simd::zero(), simd::zero()}; }  // k % kChunk == 0
-  void prefetch(int64_t row, int64_t c) const {
-    _mm_prefetch(reinterpret_cast<const char*>(codes + (row * k + c) / 2), _MM_HINT_T0);
-  }
-  int64_t row_bytes(int64_t k_) const { return k_ / 2; }
-  static F madd(F acc, const Vals& v, const float* x) {
-    return simd::fmadd(v.odd, simd::load(x + simd::kLanes), simd::fmadd(v.even, simd::load(x), acc));
-  }
+// The position within a chunk that lane p of the decoded vectors holds.
+inline int64_t source(int64_t p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
 
-  // Even elements of each chunk first (high nibbles), then the odd ones (low nibbles).
-  static Prepared<float> prepare(const float* x, int64_t m, int64_t k_) {
-    Prepared<float> out(m, k_, kChunk);
-    for (int64_t j = 0; j < m; ++j)
-      for (int64_t c = 0; c < k_; c += kChunk)
-        for (int64_t i = 0; i < simd::kLanes; ++i) {
-          out.row(j)[c + i] = x[j * k_ + c + 2 * i];
-          out.row(j)[c + simd::kLanes + i] = x[j * k_ + c + 2 * i + 1];
-        }
-    return out;
+struct Decoder {
+  F table;
+  explicit Decoder(const float* values) : table(_mm512_loadu_ps(values)) {}
+  void operator()(const uint8_t* codes, F scale, F (&out)[kVectors]) const {
+    const I bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    out[0] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table), scale);
+    out[1] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), table), scale);
   }
 };
+#else
+// AVX2 has no 16-entry fp32 permute: the table is split into its 4 byte planes, each looked up
+// with one byte shuffle (lane 0: high nibbles, lane 1: low nibbles), and the bytes are
+// interleaved back into fp32 lanes. Vector q holds [elements 8q, 8q+2, 8q+4, 8q+6 | 8q+1, .., 8q+7].
+constexpr int kVectors = 4;
+
+inline int64_t source(int64_t p) {
+  const int64_t q = p / 8, j = p % 8;
+  return 8 * q + (j < 4 ? 2 * j : 2 * (j - 4) + 1);
+}
+
+struct Decoder {
+  I planes[4];
+  explicit Decoder(const float* values) {
+    alignas(16) uint8_t bytes[4][16];
+    for (int e = 0; e < 16; ++e) {
+      uint32_t bits;
+      std::memcpy(&bits, values + e, sizeof(bits));
+      for (int b = 0; b < 4; ++b) bytes[b][e] = static_cast<uint8_t>(bits >> (8 * b));
+    }
+    for (int b = 0; b < 4; ++b)
+      planes[b] = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes[b])));
+  }
+  void operator()(const uint8_t* codes, F scale, F (&out)[kVectors]) const {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i low4 = _mm_set1_epi8(15);
+    const I index = _mm256_set_m128i(_mm_and_si128(packed, low4), _mm_and_si128(_mm_srli_epi16(packed, 4), low4));
+    const I p0 = _mm256_shuffle_epi8(planes[0], index), p1 = _mm256_shuffle_epi8(planes[1], index);
+    const I p2 = _mm256_shuffle_epi8(planes[2], index), p3 = _mm256_shuffle_epi8(planes[3], index);
+    const I b01_low = _mm256_unpacklo_epi8(p0, p1), b01_high = _mm256_unpackhi_epi8(p0, p1);
+    const I b23_low = _mm256_unpacklo_epi8(p2, p3), b23_high = _mm256_unpackhi_epi8(p2, p3);
+    out[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(b01_low, b23_low)), scale);
+    out[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(b01_low, b23_low)), scale);
+    out[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(b01_high, b23_high)), scale);
+    out[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(b01_high, b23_high)), scale);
+  }
+};
+#endif
+
+constexpr int64_t kChunk4 = 32;
+
+struct FourBit {
+  const Packed4& w;
+  Decoder decode;
+  int shift;  // log2(blocksize)
+  int64_t k;
+
+  template <bool kRound>
+  void chunk(int64_t row, int64_t c, F (&out)[kVectors]) const {
+    const int64_t e = row * k + c;
+    decode(w.codes + e / 2, simd::set1(w.absmax[e >> shift]), out);
+    if constexpr (kRound)
+      for (auto& v : out) v = simd::round_to_bf16(v);
+  }
+};
+
+// x rows in the decoder's order, as one fp32 product expects them.
+Prepared<float> prepare_4bit(const float* x, int64_t m, int64_t k) {
+  Prepared<float> out(m, k, kChunk4);
+  for (int64_t j = 0; j < m; ++j)
+    for (int64_t c = 0; c < k; c += kChunk4)
+      for (int64_t p = 0; p < kChunk4; ++p) out.row(j)[c + p] = x[j * k + c + source(p)];
+  return out;
+}
+
+// One x row: each weight row decoded once and multiplied at once, kVectors independent sums.
+template <bool kRound>
+void four_bit_one_row(const FourBit& w, const float* x, const float* bias, float* y, int64_t row) {
+  F acc[kVectors];
+  for (auto& a : acc) a = simd::zero();
+  for (int64_t c = 0; c < w.k; c += kChunk4) {
+    F v[kVectors];
+    w.chunk<kRound>(row, c, v);
+    for (int i = 0; i < kVectors; ++i) acc[i] = simd::fmadd(v[i], simd::load(x + c + i * simd::kLanes), acc[i]);
+  }
+  for (int i = 1; i < kVectors; ++i) acc[0] = simd::add(acc[0], acc[i]);
+  y[row] = simd::hsum(acc[0]) + (bias ? bias[row] : 0.0f);
+}
+
+// Several x rows: blocks of rows decoded once into an L1-sized fp32 buffer, then the fp32
+// few-row product (blocks.h) runs on it.
+template <bool kRound>
+void four_bit_rows(const FourBit& w, const Prepared<float>& x, int64_t m, const float* bias, float* y, int64_t n,
+                   int64_t row, int64_t rows, std::vector<float>& decoded) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < w.k; c += kChunk4) {
+      F v[kVectors];
+      w.chunk<kRound>(row + r, c, v);
+      for (int i = 0; i < kVectors; ++i) simd::store(decoded.data() + r * w.k + c + i * simd::kLanes, v[i]);
+    }
+  const blocks::F32Weights dense{decoded.data(), w.k, row};
+  if (rows == blocks::kRows) {
+    blocks::rows_against_all_x<blocks::F32Weights, blocks::kRows>(dense, x, m, w.k, y, n, row, bias);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) blocks::rows_against_all_x<blocks::F32Weights, 1>(dense, x, m, w.k, y, n, row + r, bias);
+  }
+}
+
+template <bool kRound>
+void four_bit(const FourBit& w, const Prepared<float>& x, int64_t m, const float* bias, float* y, int64_t n) {
+  const int64_t blocks = (n + blocks::kRows - 1) / blocks::kRows;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, blocks::kRows * w.k / 2));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    const int64_t end = std::min(n, b1 * blocks::kRows);
+    if (m == 1) {
+      for (int64_t row = b0 * blocks::kRows; row < end; ++row) four_bit_one_row<kRound>(w, x.row(0), bias, y, row);
+      return;
+    }
+    std::vector<float> decoded(blocks::kRows * w.k);
+    for (int64_t row = b0 * blocks::kRows; row < end; row += blocks::kRows)
+      four_bit_rows<kRound>(w, x, m, bias, y, n, row, std::min<int64_t>(blocks::kRows, end - row), decoded);
+  });
+}
 
 // ---- LLM.int8() -------------------------------------------------------------------------------
 constexpr int64_t kBytes = static_cast<int64_t>(sizeof(I));  // int8 values per chunk
@@ -189,8 +279,13 @@ void int8_sums(const int8_t* codes, int64_t k, const QuantizedX& q, int64_t j, i
 
 void linear_4bit(const float* x, const Packed4& w, const float* bias, float* y, int64_t m, int64_t k, int64_t n,
                  bool round_bf16) {
-  const Nibbles weights{w.codes, w.absmax, simd::Table16(w.table), __builtin_ctzll(w.blocksize), k, round_bf16};
-  blocks::run(weights, Nibbles::prepare(x, m, k), m, k, n, bias, y);
+  const FourBit weights{w, Decoder(w.table), __builtin_ctzll(w.blocksize), k};
+  const Prepared<float> prepared = prepare_4bit(x, m, k);
+  if (round_bf16) {
+    four_bit<true>(weights, prepared, m, bias, y, n);
+  } else {
+    four_bit<false>(weights, prepared, m, bias, y, n);
+  }
 }
 
 // y = the int part dequantized (+ bias), then the outlier columns (see the header). For bf16

@@ -26,6 +26,18 @@ inline F load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 inline F fmadd(F a, F b, F acc) { return _mm512_fmadd_ps(a, b, acc); }
 inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+inline F div(F a, F b) { return _mm512_div_ps(a, b); }
+inline F min_(F a, F b) { return _mm512_min_ps(a, b); }
+inline F max_(F a, F b) { return _mm512_max_ps(a, b); }
+inline F floor_(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline F pow2_(F n) {  // 2^n for integral n in fp32 range
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+// kLanes contiguous bf16 values -> fp32 in order.
+inline F load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 inline float hsum(F v) { return _mm512_reduce_add_ps(v); }
 inline I load_i(const void* p) { return _mm512_loadu_si512(p); }
 inline I zero_i() { return _mm512_setzero_si512(); }
@@ -41,18 +53,6 @@ inline void widen_bf16(const uint16_t* p, F& lo, F& hi) {
   hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), w));
 }
 
-// kLanes bytes -> kLanes int32 lanes (the packed 4-bit codes, two per byte).
-inline I bytes_to_i32(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline I shift_right4(I v) { return _mm512_srli_epi32(v, 4); }
-inline I low4(I v) { return _mm512_and_si512(v, _mm512_set1_epi32(15)); }
-
-// A 16-entry fp32 table looked up by the low 4 bits of each lane.
-struct Table16 {
-  F all;
-  explicit Table16(const float* values) : all(_mm512_loadu_ps(values)) {}
-  F operator()(I index) const { return _mm512_permutexvar_ps(index, all); }
-};
-
 #else  // AVX2 + FMA (+ F16C)
 constexpr int kLanes = 8;
 using F = __m256;
@@ -64,6 +64,17 @@ inline F load(const float* p) { return _mm256_loadu_ps(p); }
 inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 inline F fmadd(F a, F b, F acc) { return _mm256_fmadd_ps(a, b, acc); }
 inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+inline F div(F a, F b) { return _mm256_div_ps(a, b); }
+inline F min_(F a, F b) { return _mm256_min_ps(a, b); }
+inline F max_(F a, F b) { return _mm256_max_ps(a, b); }
+inline F floor_(F a) { return _mm256_floor_ps(a); }
+inline F pow2_(F n) {  // 2^n for integral n in fp32 range
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline F load_bf16(const uint16_t* p) {  // kLanes contiguous bf16 values -> fp32 in order
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 inline float hsum(F v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -84,24 +95,6 @@ inline void widen_bf16(const uint16_t* p, F& lo, F& hi) {  // see the AVX-512 tw
   hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w));
 }
 
-inline I bytes_to_i32(const uint8_t* p) {
-  int64_t bytes;
-  std::memcpy(&bytes, p, sizeof(bytes));
-  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
-}
-inline I shift_right4(I v) { return _mm256_srli_epi32(v, 4); }
-inline I low4(I v) { return _mm256_and_si256(v, _mm256_set1_epi32(15)); }
-
-// Two 8-entry permutes, the 4th index bit choosing between them.
-struct Table16 {
-  F low, high;
-  explicit Table16(const float* values) : low(_mm256_loadu_ps(values)), high(_mm256_loadu_ps(values + 8)) {}
-  F operator()(I index) const {
-    const F from_low = _mm256_permutevar8x32_ps(low, index);
-    const F from_high = _mm256_permutevar8x32_ps(high, index);
-    return _mm256_blendv_ps(from_low, from_high, _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
-  }
-};
 #endif
 
 // Each lane rounded to the nearest bf16 value (ties to even), kept as fp32 (finite inputs).
@@ -117,6 +110,23 @@ inline F round_to_bf16(F v) {
   const I sum = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
   return _mm256_castsi256_ps(_mm256_and_si256(sum, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 #endif
+}
+
+// e^x per lane (Cephes' single-precision polynomial: within 2 ulp of glibc's expf over the
+// range; x is clamped to +-88.37, beyond which e^x is 0 or infinite in fp32 anyway).
+inline F exp(F x) {
+  x = min_(max_(x, set1(-88.3762626647949f)), set1(88.3762626647949f));
+  const F n = floor_(fmadd(x, set1(1.44269504088896341f), set1(0.5f)));
+  F r = fmadd(n, set1(-0.693359375f), x);
+  r = fmadd(n, set1(2.12194440e-4f), r);
+  F p = set1(1.9875691500e-4f);
+  p = fmadd(p, r, set1(1.3981999507e-3f));
+  p = fmadd(p, r, set1(8.3334519073e-3f));
+  p = fmadd(p, r, set1(4.1665795894e-2f));
+  p = fmadd(p, r, set1(1.6666665459e-1f));
+  p = fmadd(p, r, set1(5.0000001201e-1f));
+  p = add(fmadd(p, mul(r, r), r), set1(1.0f));
+  return mul(p, pow2_(n));
 }
 
 // Four horizontal sums: out[r] = sum of the lanes of v[r].
