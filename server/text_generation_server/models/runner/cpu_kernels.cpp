@@ -127,6 +127,13 @@ struct Projection {
     bias32 = value->to(torch::kFloat).contiguous();
   }
 
+  int64_t nbytes() const {
+    int64_t total = 0;
+    for (const Tensor* t : {&weight, &absmax, &scales, &bias})
+      if (t->defined()) total += t->numel() * t->element_size();
+    return total;
+  }
+
   // The fp32 weights as bitsandbytes dequantizes them (for products of more than kMaxRows rows).
   Tensor dequantized(torch::ScalarType dtype) const {
     auto out = torch::empty({n, k}, torch::kFloat);
@@ -305,7 +312,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def_static("int8", &Projection::int8, "bitsandbytes LLM.int8(): CB, SCB, bias, threshold")
       .def("__call__", &Projection::operator(), "x [m, k] -> [m, n]")
       .def_readonly("n", &Projection::n)
-      .def_readonly("k", &Projection::k);
+      .def_readonly("k", &Projection::k)
+      .def_property_readonly("nbytes", &Projection::nbytes, "bytes one product reads: weights, scales, bias");
   module.def("small_m_linear", &small_m_linear, "y = x @ weight.T (+ bias) for 1..16 rows of x");
   module.def("rms_norm", &rms_norm, "transformers' RMSNorm in one pass (fp32 math)");
   module.def("decode_attention", &decode_attention, "attention of a few new queries per row against the cache");

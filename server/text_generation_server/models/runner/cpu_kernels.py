@@ -78,6 +78,7 @@ class Projection(Protocol):
 
     n: int
     k: int
+    nbytes: int  # what one product reads: weights (codes), scales or absmax blocks, bias
 
     def __call__(self, x: torch.Tensor, /) -> torch.Tensor:
         """x `[m, k]` -> `[m, n]` (1..16 rows on the kernels, more on torch's GEMM)."""
