@@ -138,3 +138,21 @@ def test_refusals_name_the_bad_argument(ops) -> None:  # noqa: F811
         projection(torch.zeros(1, 4).half())
     with pytest.raises(RuntimeError, match="weight must be a contiguous \\[n, k\\]"):
         ops.Projection.dense(torch.zeros(4, 2).T, None)
+
+
+@pytest.mark.parametrize(("n", "k", "blocksize"), [(1, 32, 32), (5, 128, 64), (129, 576, 64), (3, 256, 256)])
+def test_int8_weights_equal_the_dequantized_product(ops, n: int, k: int, blocksize: int) -> None:  # noqa: F811
+    """Weight-only int8 in blocks (the int8 lm_head): x stays fp32, w = code * scale[block]."""
+    generator = torch.Generator().manual_seed(n * 7 + k)
+    blocks = torch.randn(n, k // blocksize, blocksize, generator=generator)
+    scales = blocks.abs().amax(-1, keepdim=True) / 127
+    codes = torch.round(blocks / scales).to(torch.int8).view(n, k)
+    bias = torch.randn(n, generator=generator)
+    projection = ops.Projection.int8_weights(codes, scales.reshape(-1).contiguous(), blocksize, bias)
+    dense = (codes.double().view(n, -1, blocksize) * scales.double()).view(n, k)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=generator)
+        error = _relative(projection(x), x.double() @ dense.T + bias.double())
+        assert error <= 1e-5, f"int8 weights [{n}, {k}] blocksize {blocksize}, {rows} rows: error {error}"
+    with pytest.raises(RuntimeError, match="blocksize 48 must be a power of two >= 32 dividing k = 96"):
+        ops.Projection.int8_weights(torch.zeros(2, 96, dtype=torch.int8), torch.ones(4), 48, None)

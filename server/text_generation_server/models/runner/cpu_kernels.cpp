@@ -58,10 +58,10 @@ Tensor small_m_linear(const Tensor& x, const Tensor& weight, const c10::optional
 
 // ---- projections: a weight in one of the kernels' formats, with its bias -----------------------
 struct Projection {
-  enum class Kind { kDense, kFourBit, kInt8 } kind = Kind::kDense;
+  enum class Kind { kDense, kFourBit, kInt8, kInt8Weights } kind = Kind::kDense;
   Tensor weight;           // dense [n, k]; 4-bit codes (n * k / 2 bytes); int8 CB [n, k]
   Tensor absmax, table;    // 4-bit: fp32 absmax per block, the 16 code values
-  Tensor scales;           // int8: SCB [n]
+  Tensor scales;           // int8: SCB [n] (the absmax of each weight row)
   Tensor bias;             // undefined, or [n] in the compute dtype
   Tensor bias32;           // the bias in fp32 for the kernels
   int64_t n = 0, k = 0, blocksize = 0;
@@ -120,6 +120,28 @@ struct Projection {
     return p;
   }
 
+  // Weight-only int8 in blocks of `blocksize` along k: w = codes * scales[block] (x is not quantized).
+  static Projection int8_weights(const Tensor& codes, const Tensor& scales, int64_t blocksize,
+                                 const c10::optional<Tensor>& bias) {
+    TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.dim() == 2 && codes.is_contiguous(),
+                "Projection.int8_weights: codes must be a contiguous int8 [n, k]");
+    TORCH_CHECK(blocksize >= 32 && (blocksize & (blocksize - 1)) == 0 && codes.size(1) % blocksize == 0,
+                "Projection.int8_weights: blocksize ", blocksize, " must be a power of two >= 32 dividing k = ",
+                codes.size(1));
+    TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+                scales.numel() * blocksize == codes.numel(),
+                "Projection.int8_weights: scales must hold one fp32 value per block of ", blocksize);
+    Projection p;
+    p.kind = Kind::kInt8Weights;
+    p.weight = codes;
+    p.scales = scales;
+    p.blocksize = blocksize;
+    p.n = codes.size(0);
+    p.k = codes.size(1);
+    p.set_bias(bias);
+    return p;
+  }
+
   void set_bias(const c10::optional<Tensor>& value) {
     if (!present(value)) return;
     TORCH_CHECK(value->numel() == n, "Projection: bias has ", value->numel(), " values, weight ", n, " rows");
@@ -136,6 +158,9 @@ struct Projection {
 
   // The fp32 weights as bitsandbytes dequantizes them (for products of more than kMaxRows rows).
   Tensor dequantized(torch::ScalarType dtype) const {
+    if (kind == Kind::kInt8Weights)
+      return (weight.to(torch::kFloat).view({n, k / blocksize, blocksize}) * scales.view({n, k / blocksize, 1}))
+          .view({n, k}).to(dtype);
     auto out = torch::empty({n, k}, torch::kFloat);
     const uint8_t* codes = ptr<uint8_t>(weight);
     const float* values = table.data_ptr<float>();
@@ -157,7 +182,7 @@ struct Projection {
                   weight.scalar_type());
       return m <= tgi::kMaxRows ? small_m_linear(x, weight, present(bias)) : at::linear(x, weight, present(bias));
     }
-    if (kind == Kind::kFourBit && m > tgi::kMaxRows)
+    if ((kind == Kind::kFourBit || kind == Kind::kInt8Weights) && m > tgi::kMaxRows)
       return at::linear(x, dequantized(x.scalar_type()), bias.defined() ? c10::optional<Tensor>(bias.to(x.scalar_type()))
                                                                         : c10::nullopt);
     const bool bf16 = x.scalar_type() == torch::kBFloat16;
@@ -166,6 +191,9 @@ struct Projection {
     if (kind == Kind::kFourBit) {
       const tgi::Packed4 w{ptr<uint8_t>(weight), absmax.data_ptr<float>(), table.data_ptr<float>(), blocksize};
       tgi::linear_4bit(x32.data_ptr<float>(), w, bp, y.data_ptr<float>(), m, k, n, bf16);
+    } else if (kind == Kind::kInt8Weights) {
+      tgi::linear_int8_weights(x32.data_ptr<float>(), ptr<int8_t>(weight), scales.data_ptr<float>(), blocksize, bp,
+                               y.data_ptr<float>(), m, k, n);
     } else {
       const tgi::Int8Weight w{ptr<int8_t>(weight), scales.data_ptr<float>()};
       tgi::linear_int8(x32.data_ptr<float>(), w, bp, y.data_ptr<float>(), m, k, n, static_cast<float>(threshold), bf16);
@@ -310,6 +338,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def_static("dense", &Projection::dense, "fp32/bf16 weight [n, k]")
       .def_static("four_bit", &Projection::four_bit, "bitsandbytes 4-bit codes, absmax, table, blocksize, n, k")
       .def_static("int8", &Projection::int8, "bitsandbytes LLM.int8(): CB, SCB, bias, threshold")
+      .def_static("int8_weights", &Projection::int8_weights, "weight-only int8 in blocks: codes, scales, blocksize, bias")
       .def("__call__", &Projection::operator(), "x [m, k] -> [m, n]")
       .def_readonly("n", &Projection::n)
       .def_readonly("k", &Projection::k)

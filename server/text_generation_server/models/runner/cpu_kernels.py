@@ -93,6 +93,9 @@ class ProjectionFactory(Protocol):
     def int8(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, threshold: float,
              /) -> Projection: ...
 
+    def int8_weights(self, codes: torch.Tensor, scales: torch.Tensor, blocksize: int, bias: torch.Tensor | None,
+                     /) -> Projection: ...
+
 
 _Projection = Projection  # the Protocol below has a member of that name
 

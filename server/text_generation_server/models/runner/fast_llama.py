@@ -52,14 +52,19 @@ class FastRunnerConfig:
             dtype copies the weights (used by benchmarks to load once and compare dtypes).
         compile: torch.compile the two halves of a decoder layer (inductor; needs a C
             compiler). The first forward of each shape class compiles (see README-runner).
-        kernels: use the compiled AVX-512 kernels where the CPU has them (cpu_kernels.py);
-            False keeps every op in torch (benchmarks compare both). Not combined with
-            compile, whose graphs call torch.
+        kernels: use the compiled CPU kernels where the CPU has them (cpu_kernels.py: the best
+            ISA variant it runs); False keeps every op in torch (benchmarks compare both). Not
+            combined with compile, whose graphs call torch.
+        int8_head: read the lm_head as weight-only int8 (absmax scales per block of 64 weights,
+            llama.cpp's Q8_0 idea; quantized here from the loaded weights) on the kernels: 1.06
+            bytes per weight instead of 4 (fp32) or 2 (bf16), at the cost of that rounding in
+            every logit (measured in README-runner.md). Off by default: the logits are the model's.
     """
 
     dtype: torch.dtype | None = None
     compile: bool = False
     kernels: bool = True
+    int8_head: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
@@ -233,6 +238,7 @@ class FastLlamaRunner:
                               if ops is not None and self.spec.family == "llama" else None)
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
         self.lm_head = model.lm_head.weight.detach().to(self.dtype)  # tied: the same tensor as embed
+        self.head_projection = (int8_head(ops, self.lm_head) if ops is not None and config.int8_head else None)
         self.final_norm = read_final_norm(model, self.spec, self.dtype)
         self.embed_scale = (torch.tensor(self.spec.embed_scale).to(self.dtype)
                             if self.spec.embed_scale is not None else None)
@@ -312,7 +318,8 @@ class FastLlamaRunner:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h.contiguous(), self.final_norm, self.dims)
-        logits = linear(h, self.lm_head, None, self.dims)  # [rows, positions, vocab]
+        head = self.head_projection if self.head_projection is not None else self.lm_head
+        logits = linear(h, head, None, self.dims)  # [rows, positions, vocab]
         if self.spec.final_logit_softcap is not None:
             cap = self.spec.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
@@ -330,6 +337,19 @@ class FastLlamaRunner:
         seconds = time.perf_counter() - start
         logger.info(f"{self.name} warm-up (compile={self.config.compile}) took {seconds:.1f} s")
         return seconds
+
+
+INT8_HEAD_BLOCK = 64
+
+
+def int8_head(ops: cpu_kernels.CpuOps, weight: torch.Tensor) -> cpu_kernels.Projection:
+    """The lm_head `[vocab, hidden]` as weight-only int8: per block of 64 weights of a row,
+    codes round(w * 127 / absmax) and scale absmax / 127."""
+    vocab, hidden = weight.shape
+    blocks = weight.float().view(vocab, hidden // INT8_HEAD_BLOCK, INT8_HEAD_BLOCK)
+    scales = (blocks.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-30)  # [vocab, blocks, 1]
+    codes = torch.round(blocks / scales).to(torch.int8).view(vocab, hidden)
+    return ops.Projection.int8_weights(codes, scales.reshape(-1).contiguous(), INT8_HEAD_BLOCK, None)
 
 
 def _model_dtype(model: Any) -> torch.dtype:

@@ -18,6 +18,11 @@ void linear_f32(const float* x, const float* w, const float* bias, float* y, int
 void linear_bf16(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t m, int64_t k,
                  int64_t n);
 
+// Weight-only int8 in blocks along k: w[n, c] = codes[n, c] * scales[(n * k + c) / blocksize], blocks
+// within rows (k a multiple of blocksize, a power of two >= 32); x is not quantized.
+void linear_int8_weights(const float* x, const int8_t* w, const float* scales, int64_t blocksize, const float* bias,
+                         float* y, int64_t m, int64_t k, int64_t n);
+
 // bitsandbytes' 4-bit layout, read as it is: element e of the flattened [n, k] weight is the
 // high nibble (e even) or low nibble (e odd) of codes[e / 2], its value is
 // table[nibble] * absmax[e / blocksize] (nf4 or fp4 table).
