@@ -10,14 +10,16 @@ fewer, larger ops:
   reading the shared `KVCache` whose append writes in place;
 - logits are computed only for the positions asked for (the tied lm_head is ~20% of the
   weights of the default model);
-- where the CPU has AVX-512 BF16, compiled kernels (cpu_kernels.py) take the decode step's
-  hot spots: products with at most 16 activation rows (every decode step up to batch 16)
-  stream the weights at memory bandwidth, where torch's GEMM reaches half of it in bf16 and
-  slows down 2.5x from 1 to 8 rows in fp32; RMSNorm is one call instead of ~8 ops; the
-  attention of one new token per row replaces SDPA's CPU kernel (~50 us per call); RoPE and
-  silu(gate) * up are one call each. For the Llama family a decode step (one new token per
-  row) runs each decoder layer as one compiled call, `decode_layer`, built of the same
-  pieces: Python is crossed 30 times per step instead of ~750.
+- on x86-64 with AVX2 or AVX-512, compiled kernels (cpu_kernels.py, the variant the CPU runs)
+  take the hot spots of forwards with at most 16 activation rows (rows x new tokens: decode
+  steps up to batch 16, draft verification, short prefills): the products stream the weights
+  once for all rows (fp32, bf16, and bitsandbytes' int8 and 4-bit layouts read as they are,
+  kernel_weights.py), where torch's GEMM reaches half the bandwidth in bf16 and slows down
+  2.5x from 1 to 8 rows in fp32 and bitsandbytes dequantizes every weight per call; RMSNorm,
+  RoPE and silu(gate) * up are one call each; attention of the new tokens against the cache
+  replaces SDPA's CPU kernel (~50 us per call). For the Llama family such a forward runs each
+  decoder layer as one compiled call, `decode_layer`, built of the same pieces: Python is
+  crossed 30 times per forward instead of ~750.
 The layer loop stays in Python, so `skip_layers` is a plain `continue` and an optional
 `torch.compile` of the two per-layer halves (`pre_attention`, `post_attention`) never
 recompiles for a new skip plan: every layer shares the same compiled graphs, with its own
