@@ -25,9 +25,10 @@ COPY policies /opt/tgi-policies
 # One install procedure for the image and the test suite (tests/deploy/test_install_script.py).
 # The default model is converted into /opt/tgi-models, outside /data, so a volume mounted at
 # /data cannot hide it; download-weights looks there second (TGI_PREBUILT_HUB_CACHE).
-# g++ is there only to compile the fast runner's CPU kernels into /opt/tgi-kernels (install.sh
-# runs `text-generation-server build-kernels`); the second build-kernels fails the image build
-# when that did not work, and g++ is removed again.
+# g++ is there only to compile the fast runner's CPU kernels (every ISA variant: the image runs
+# on hosts with AVX2 or AVX-512, each importing the variant its CPU has) into /opt/tgi-kernels
+# (install.sh runs `text-generation-server build-kernels`); the second build-kernels fails the
+# image build when that did not work, and g++ is removed again.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \

@@ -85,21 +85,26 @@ def download_weights_command(
 
 @app.command("build-kernels")
 def build_kernels_command() -> None:
-    """Compile the fast runner's CPU kernels into TGI_KERNEL_DIR now (else the first serve does).
+    """Compile every ISA variant of the fast runner's CPU kernels into TGI_KERNEL_DIR now.
 
-    Compiling needs a C++ compiler, not an AVX-512 CPU: an image built on one host runs on
-    another. Exits 1 when the compiler fails; serving then uses torch's ops.
+    Compiling runs none of what it compiles, so it needs a C++ compiler, not a particular CPU:
+    an image built on one host runs on another, which imports the variant its CPU can run.
+    That variant is then imported once here as a check. Exits 1 when the compiler is missing
+    or fails (serving would then use torch's ops).
     """
     from .models.runner import cpu_kernels
 
     try:
-        cpu_kernels.build()
+        folder = cpu_kernels.build()
+        choice = cpu_kernels.chosen()
+        if not isinstance(choice, str):
+            cpu_kernels.load_variant(choice.name)
     except Exception as error:
         print(f"cpu kernels: build failed: {error}", file=sys.stderr)
         raise typer.Exit(1) from error
-    reason = cpu_kernels.unavailable_reason()
-    print(f"cpu kernels: built in {cpu_kernels.build_dir()}"
-          + (f" (not used on this machine: {reason})" if reason else ""))
+    names = ", ".join(variant.name for variant in cpu_kernels.VARIANTS)
+    used = f"this machine uses {choice.name}" if not isinstance(choice, str) else f"none used here: {choice}"
+    print(f"cpu kernels: built {names} in {folder} ({used})")
 
 
 @app.command()

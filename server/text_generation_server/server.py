@@ -124,6 +124,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             runner=self.model.runner.name, quantize=self.config.quantize,
             layer_skip_mode=planner.mode, layer_skip_policy=planner.config.policy_path or "",
             layer_skip_policy_state=planner.policy_state, num_layers=self.model.runner.num_layers,
+            cpu_kernels=self.model.runner.cpu_kernels,
         )
 
     async def Health(self, request: generate_pb2.HealthRequest,

@@ -253,7 +253,7 @@ def test_consistency_suite_int8_nf4(work: dict[str, Path]) -> None:
     out = work["root"] / "consistency"
     cli("consistency", DEFAULT_MODEL_ID, "--prompts", str(work["prompts"]), "--candidates", "int8,nf4",
         "--policy", str(work["root"] / "lossy.json"), "--split", "all", "--max-prompts", "2",
-        "--new-tokens", str(NEW_TOKENS), "--out", str(out))
+        "--new-tokens", str(NEW_TOKENS), "--out", str(out), "--reference", "float32")
     result = json.loads((out / "consistency.json").read_text())
     names = [r["variant"] for r in result["variants"]]
     assert names == ["float32+policy", "int8", "int8+policy", "nf4", "nf4+policy"]
@@ -263,12 +263,25 @@ def test_consistency_suite_int8_nf4(work: dict[str, Path]) -> None:
         assert 0.0 <= row["exact_match"] <= 1.0 and 0.0 <= row["tf_agreement"] <= 1.0
         assert row["mean_kl"] >= 0.0 and row["ppl"] > 0.0
         assert row["num_diverged"] == round((1.0 - row["exact_match"]) * 2)
+        assert row["decode_tokens_per_s"] > 0.0 and row["speed_vs_reference"] == pytest.approx(
+            row["decode_tokens_per_s"] / result["reference_tokens_per_s"])
         if row["policy"] is not None:  # the policy aligns to every quantization, through fingerprints
             assert row["policy_aligned"] and row["policy_layer_map"] == {str(i): i for i in range(30)}
             assert row["mean_layers_skipped"] == 6.0
         else:
             assert row["mean_layers_skipped"] == 0.0
     markdown = (out / "consistency.md").read_text()
+    assert "decode_tokens_per_s" in markdown and "speed_vs_reference" in markdown
     assert "| variant |" in markdown and "| layer |" in markdown and markdown.count("\n| ") >= 35
     for name in ("consistency_metrics.png", "consistency_alignment.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_consistency_reference_is_a_float_precision(work: dict[str, Path]) -> None:
+    """--reference takes float16 | bfloat16 | float32; the default is float16 where fp16 runs."""
+    from text_generation_server.layerskip_cli import consistency
+
+    assert consistency.default_reference() == ("float16" if consistency.fp16_runs() else "float32")
+    output = cli("consistency", DEFAULT_MODEL_ID, "--prompts", str(work["prompts"]), "--reference", "nf4",
+                 "--out", str(work["root"] / "refused"), expect=2)
+    assert "--reference nf4: use one of float16, bfloat16, float32" in output

@@ -306,19 +306,22 @@ def consistency(model_id: ModelArg = DEFAULT_MODEL_ID,
                 out: Annotated[Path, typer.Option("--out", help="Output folder.")] = Path(
                     "reports/calibration/consistency"),
                 prompts: PromptsOpt = None,
-                reference: Annotated[str, typer.Option("--reference", help="float32 or bfloat16.")] = "float32",
+                reference: Annotated[str | None, typer.Option(
+                    "--reference", help="float16, bfloat16 or float32 (default: float16 where fp16 runs on this "
+                    "CPU, else float32).")] = None,
                 candidates: Annotated[str, typer.Option("--candidates", help="Comma-separated: int8,nf4,fp4"
                                                         ",bfloat16.")] = "int8,nf4,fp4",
                 policy: Annotated[Path | None, typer.Option("--policy", help="Policy (lossy) to apply too.")] = None,
                 split: Annotated[Split, typer.Option("--split")] = Split.heldout,
                 max_prompts: MaxPromptsOpt = 8, new_tokens: NewTokensOpt = 16, threads: ThreadsOpt = None) -> None:
     """Quantized-versus-full-precision suite: JSON, Markdown report and PNG plots."""
-    from .consistency import run_consistency
+    from .consistency import default_reference, run_consistency
 
     _setup(threads)
     prompt_set = _prompts(prompts)
     chosen = select(prompt_set, split.value, max_prompts)
     names = [c.strip() for c in candidates.split(",") if c.strip()]
+    reference = reference or default_reference()
     spec = ModelSpec(model_id, None, reference)
     try:
         result = run_consistency(model_id, reference, names, policy, chosen, new_tokens, out,
@@ -329,5 +332,6 @@ def consistency(model_id: ModelArg = DEFAULT_MODEL_ID,
     for row in result["variants"]:
         note(f"{row['variant']:>16}: exact {row.get('exact_match', float('nan')):.3f}, "
              f"agreement {row.get('tf_agreement', float('nan')):.3f}, KL {row.get('mean_kl', float('nan')):.4f}, "
-             f"aligned {row['alignment']['aligned']}")
+             f"{row.get('decode_tokens_per_s', float('nan')):.1f} tok/s "
+             f"({row.get('speed_vs_reference', float('nan')):.2f}x {reference}), aligned {row['alignment']['aligned']}")
     note(f"wrote {out / 'consistency.json'}, {out / 'consistency.md'} and plots")

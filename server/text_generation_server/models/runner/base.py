@@ -18,6 +18,7 @@ class Runner(Protocol):
     """A model forward over a left-padded batch with a dense KV cache."""
 
     name: str  # reported in Info and logs, e.g. "fast-llama" or "transformers"
+    cpu_kernels: str  # the CPU kernel variant in use (Info), e.g. "avx2"; "none" for torch's ops
     num_layers: int
     vocab_size: int
     dtype: torch.dtype

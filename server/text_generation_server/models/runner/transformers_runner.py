@@ -26,6 +26,7 @@ class TransformersRunner:
         self.config = model.config
         text_config = model.config.get_text_config()
         self.num_layers = int(text_config.num_hidden_layers)
+        self.cpu_kernels = "none"  # transformers' own modules
         self.vocab_size = int(text_config.vocab_size)
         self.dtype = model.dtype
         self.device = model.device
