@@ -3,10 +3,11 @@
 Tolerances (max abs difference of logits, against TransformersRunner on the same weights):
 - float32: 1e-4 on prefill and on every one of 64 decode steps; greedy tokens identical.
 - bfloat16 (the fast runner's weights cast to bf16) against the float32 reference: logits
-  within BF16_TOLERANCE = 1.0 and the greedy token identical on at least 95% of
-  teacher-forced positions on prefill (torch's products). On 32 teacher-forced decode steps
+  within BF16_TOLERANCE = 1.0 on prefill (torch's products), and a greedy token changed only
+  where fp32's top-2 margin is under BF16_NEAR_TIE = 0.5 (measured: 1-2 of 25 positions flip,
+  at margins 0.20 and 0.11). On 32 teacher-forced decode steps
   (the AVX-512 kernel's products where the CPU has it) the bf16 cache drifts further: logits
-  within BF16_DECODE_TOLERANCE = 2.0, same 95% agreement. Measured: 1.08 with the kernel,
+  within BF16_DECODE_TOLERANCE = 2.0, greedy agreement >= 95%. Measured: 1.08 with the kernel,
   1.59 with torch's bf16 products (which round activations the same way but accumulate
   differently), agreement 0.99. For scale: on these prompts transformers' own bf16 model differs
   from its fp32 model by 1.30, the fast runner in bf16 by 0.67 (it normalizes in fp32-accurate
@@ -50,6 +51,7 @@ from .batching import Stream, real_positions
 FP32_TOLERANCE = 1e-4
 BF16_TOLERANCE = 1.0
 BF16_DECODE_TOLERANCE = 2.0
+BF16_NEAR_TIE = 0.5
 NF4_TOLERANCE = 1e-3
 INT8_HEAD_TOLERANCE = 1.0
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -213,9 +215,12 @@ def test_bf16_within_tolerance(model: PreTrainedModel, prompts: list[list[int]])
     fast = FastLlamaRunner(model, FastRunnerConfig(dtype=torch.bfloat16))
     fast_logits, ref_logits = _teacher_forced(fast, prompts), _teacher_forced(TransformersRunner(model), prompts)
     diff = (fast_logits - ref_logits).abs().max()
-    agree = (fast_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()
     assert diff <= BF16_TOLERANCE, f"bf16 logits differ from fp32 by {diff}"
-    assert agree >= 0.95, f"bf16 greedy agreement with fp32 {agree:.2f}"
+    # A greedy token may change only where fp32's top two are a near-tie (25 positions; measured:
+    # 1 or 2 flips, at margins 0.20 and 0.11, where the largest margin is 4.1).
+    top = torch.topk(ref_logits, 2, dim=-1).values
+    margins = (top[..., 0] - top[..., 1])[fast_logits.argmax(-1) != ref_logits.argmax(-1)]
+    assert (margins <= BF16_NEAR_TIE).all(), f"bf16 changed greedy tokens at fp32 margins {margins.tolist()}"
 
 
 def test_bf16_decode_steps_within_tolerance(model: PreTrainedModel, prompts: list[list[int]]) -> None:

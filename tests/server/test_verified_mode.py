@@ -202,7 +202,10 @@ def test_no_drafting_when_the_cost_model_says_it_cannot_pay(fp32: Pair) -> None:
     ids = [i for i, (name, _) in enumerate(ALL) if name == "chat"][:2]
     tokens, _, _, reports = run(lm, [make_request(i, fp32.prompts[i], NEW_TOKENS) for i in ids])
     for i in ids:
-        assert reports[i].stats["cycles"] == 0  # type: ignore[attr-defined]
+        stats = reports[i].stats  # type: ignore[attr-defined]
+        # n-gram copies cost nothing to draft, and verification here is priced at one step, so
+        # they may run; the layer-skipping draft model never does.
+        assert stats["model_drafted"] == 0, stats
         assert tokens[i] == fp32.expected[i]
 
 
@@ -212,12 +215,13 @@ def test_auto_off_moves_slow_requests_to_plain_decoding(fp32: Pair, tmp_path: Pa
     moves it to plain decoding; its output is unchanged."""
     policy = write_policy(fp32.model, tmp_path / "optimistic.json", SIX_LAYERS, draft=DraftSettings(0, 0.99))
     lm = make_lm(fp32.model_path, fp32.model, "verified", policy)
+    lm.controller.ngram = False  # model drafts only: copied drafts would take most cycles
     # a draft costs 0.9 steps and verification one step: drafting pays only above acceptance 0.9
     lm.cost_model = CostModel.flat(step_s=1.0, verify_s=(1.0,) * (MAX_DRAFT + 1), layer_s=0.1 / len(SIX_LAYERS))
     ids = [i for i, (name, _) in enumerate(ALL) if name == "chat"][:2]
     tokens, _, batch, reports = run(lm, [make_request(i, fp32.prompts[i], NEW_TOKENS) for i in ids])
     for i in ids:
         stats = reports[i].stats  # type: ignore[attr-defined]
-        assert stats["auto_off"] == 1.0 and stats["cycles"] >= MIN_CYCLES_BEFORE_AUTO_OFF
+        assert stats["auto_off"] == 1.0 and stats["cycles"] >= MIN_CYCLES_BEFORE_AUTO_OFF, stats
         assert stats["model_accepted"] / stats["model_drafted"] < 0.9
         assert tokens[i] == fp32.expected[i]
