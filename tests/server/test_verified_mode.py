@@ -209,19 +209,20 @@ def test_no_drafting_when_the_cost_model_says_it_cannot_pay(fp32: Pair) -> None:
         assert tokens[i] == fp32.expected[i]
 
 
-def test_auto_off_moves_slow_requests_to_plain_decoding(fp32: Pair, tmp_path: Path) -> None:
+def test_drafting_that_does_not_pay_stops(fp32: Pair, tmp_path: Path) -> None:
     """A policy that promises acceptance 0.99 on a model that delivers ~0.5: drafting starts (the
-    prior says it pays), and after the minimum number of cycles each request's own acceptance
-    moves it to plain decoding; its output is unchanged."""
+    prior says it pays); each cycle is planned from the request's own acceptance, so after the
+    first rejections the cost model moves it to plain decoding (measured: one cycle of 4 drafts,
+    then plain steps); its output is unchanged."""
     policy = write_policy(fp32.model, tmp_path / "optimistic.json", SIX_LAYERS, draft=DraftSettings(0, 0.99))
     lm = make_lm(fp32.model_path, fp32.model, "verified", policy)
     lm.controller.ngram = False  # model drafts only: copied drafts would take most cycles
     # a draft costs 0.9 steps and verification one step: drafting pays only above acceptance 0.9
     lm.cost_model = CostModel.flat(step_s=1.0, verify_s=(1.0,) * (MAX_DRAFT + 1), layer_s=0.1 / len(SIX_LAYERS))
     ids = [i for i, (name, _) in enumerate(ALL) if name == "chat"][:2]
-    tokens, _, batch, reports = run(lm, [make_request(i, fp32.prompts[i], NEW_TOKENS) for i in ids])
+    tokens, _, _, reports = run(lm, [make_request(i, fp32.prompts[i], NEW_TOKENS) for i in ids])
     for i in ids:
         stats = reports[i].stats  # type: ignore[attr-defined]
-        assert stats["auto_off"] == 1.0 and stats["cycles"] >= MIN_CYCLES_BEFORE_AUTO_OFF, stats
+        assert 1 <= stats["cycles"] <= MIN_CYCLES_BEFORE_AUTO_OFF, stats
         assert stats["model_accepted"] / stats["model_drafted"] < 0.9
         assert tokens[i] == fp32.expected[i]
