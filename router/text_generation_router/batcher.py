@@ -6,6 +6,12 @@ prefill a new batch from the queue (when the queue holds at least
 without an admission) and then decodes [running, new] together, which the shard merges under
 the running batch's id. After every step finished and abandoned requests are removed with
 FilterBatch, or ClearCache when none is left.
+
+Failure containment: a problem of one request ends that request alone. An entry that
+cannot be encoded, or that the shard refuses (the `request_errors` extension), gets its own
+error event and the rest of its batch runs on. Only a failed RPC, a shard fault, fails the
+batches of that call (424). Every entry taken from the queue ends inside `_serve`: with its
+last token or an error event, never by waiting forever.
 """
 
 from __future__ import annotations
@@ -20,8 +26,12 @@ from loguru import logger
 
 from text_generation_router.client import ShardClient, ShardError, StepResult
 from text_generation_router.config import ServingLimits
-from text_generation_router.dispatch import dispatch_generations, to_pb_batch
-from text_generation_router.events import ErrorEvent
+from text_generation_router.dispatch import (
+    dispatch_generations,
+    dispatch_request_errors,
+    encode_requests,
+    to_pb_batch,
+)
 from text_generation_router.handshake import ShardInfo
 from text_generation_router.metrics import Metrics
 from text_generation_router.pb import generate_pb2 as pb
@@ -49,6 +59,7 @@ class Batcher:
         metrics: Metrics,
         health: Health,
         scheduling: tuple[float, int, int | None],
+        first_batch_id: int = 0,
     ) -> None:
         self.client = client
         self.queue = queue
@@ -57,7 +68,9 @@ class Batcher:
         self.metrics = metrics
         self.health = health
         self.waiting_served_ratio, self.max_waiting_tokens, self.max_batch_size = scheduling
-        self._next_batch_id = 0
+        self._next_batch_id = first_batch_id
+        # Every entry taken from the queue for the batch being served, until it ends.
+        self.in_flight: list[Entry] = []
 
     def _budget(self, total_tokens: int, running_size: int) -> Budget:
         max_size = None if self.max_batch_size is None else self.max_batch_size - running_size
@@ -81,20 +94,40 @@ class Batcher:
                 budget = self._budget(self.limits.max_batch_total_tokens, 0)
             self.metrics.queue_size.set(len(self.queue))
 
+    def fail_all(self, kind: str, message: str) -> None:
+        """End every admitted request, running or waiting, with an error event."""
+        for entry in self.in_flight:
+            entry.fail(kind, message)
+        self.queue.fail_all(kind, message)
+        self.metrics.queue_size.set(0)
+
     async def _serve(self, first: list[Entry]) -> None:
-        """Run one batch to completion; a router bug fails its requests, not the loop."""
-        entries = {e.id: e for e in first}
+        """Run one batch to completion; every entry taken from the queue ends in here.
+
+        Each entry ends with its last token, its own error, or its batch's error; a router bug
+        fails what is in flight, not the loop, and an entry left without an answer (a bug too)
+        gets an error rather than waiting forever.
+        """
+        self.in_flight = list(first)
         try:
-            await self._serve_entries(first, entries)
+            await self._serve_entries({e.id: e for e in first})
         except Exception as err:  # noqa: BLE001 - the loop must survive to serve the queue
             logger.exception("batching step failed")
-            await self._fail("decode", entries, [], ShardError(f"router error: {err}"))
+            self.health.generation_ok = False
+            for entry in self.in_flight:
+                entry.fail("generation", f"router error: {err}")
             with contextlib.suppress(ShardError):
                 await self.client.clear_cache(None)
+        finally:
+            for entry in self.in_flight:
+                entry.fail("incomplete", "the request ended without its last token")
+            self.in_flight = []
+            self.metrics.batch_current_size.set(0)
+            self.metrics.batch_current_max_tokens.set(0)
 
-    async def _serve_entries(self, first: list[Entry], entries: dict[int, Entry]) -> None:
+    async def _serve_entries(self, entries: dict[int, Entry]) -> None:
         """Run one batch to completion, admitting new requests while it runs."""
-        cached = await self._prefill(entries, first)
+        cached = await self._prefill(entries)
         waiting_steps = 1
         while cached is not None:
             self.metrics.batch_current_size.set(cached.size)
@@ -107,8 +140,7 @@ class Batcher:
                 waiting_steps = 1
             cached = await self._decode(entries, batches)
             waiting_steps += 1
-        self.metrics.batch_current_size.set(0)
-        self.metrics.batch_current_max_tokens.set(0)
+            self.in_flight = [e for e in self.in_flight if not e.done]  # a batch may run for hours
 
     async def _admit(
         self, cached: pb.CachedBatch, entries: dict[int, Entry], waiting_steps: int
@@ -123,15 +155,20 @@ class Batcher:
         self.metrics.queue_size.set(len(self.queue))
         if new is None:
             return None, ""
+        self.in_flight.extend(new)
         new_entries = {e.id: e for e in new}
-        new_cached = await self._prefill(new_entries, new)
+        new_cached = await self._prefill(new_entries)  # a failure here fails the new entries only
         entries.update(new_entries)
         return new_cached, "wait_exceeded" if wait_exceeded else "backpressure"
 
-    async def _prefill(self, entries: dict[int, Entry], batch_entries: list[Entry]) -> pb.CachedBatch | None:
-        batch = to_pb_batch(self._next_batch_id, batch_entries)
+    async def _prefill(self, entries: dict[int, Entry]) -> pb.CachedBatch | None:
+        """Prefill the entries that can be encoded; the others have failed alone already."""
+        requests = encode_requests(entries)
+        if not requests:
+            return None
+        batch = to_pb_batch(self._next_batch_id, list(entries.values()), requests)
         self._next_batch_id += 1
-        self.metrics.batch_next_size.observe(len(batch_entries))
+        self.metrics.batch_next_size.observe(len(requests))
         return await self._step("prefill", entries, [batch.id], self.client.prefill(batch))
 
     async def _decode(self, entries: dict[int, Entry], batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
@@ -153,8 +190,17 @@ class Batcher:
             await self._fail(method, entries, batch_ids, err)
             return None
         self._observe(method, result, time.monotonic() - started)
+        dispatch_request_errors(result.request_errors, entries)
         dispatch_generations(result.generations, entries, self.metrics)
+        self._fail_orphans(result.batch, entries)
         return await self._follow_up(method, result.batch, entries)
+
+    def _fail_orphans(self, batch: pb.CachedBatch | None, entries: dict[int, Entry]) -> None:
+        """A live entry that the shard no longer holds would never get another token."""
+        held = set(batch.request_ids) if batch is not None else set()
+        for request_id in [i for i in entries if i not in held]:
+            logger.error("request {} is no longer in the shard's batch", request_id)
+            entries.pop(request_id).fail("incomplete", "the shard dropped the request")
 
     def _observe(self, method: str, result: StepResult, elapsed_s: float) -> None:
         m = self.metrics
@@ -194,12 +240,12 @@ class Batcher:
     async def _fail(
         self, method: str, entries: dict[int, Entry], batch_ids: list[int], err: ShardError
     ) -> None:
-        """A step failed: drop the batches in the shard and fail all their requests."""
+        """A shard fault (its RPC failed): drop the batches in the shard and fail their requests."""
         logger.error("{} failed: {}", method, err.message)
         self.metrics.batch_inference_failure.labels(method=method).inc()
         self.health.generation_ok = False
         for entry in entries.values():
-            entry.events.put_nowait(ErrorEvent(err.message))
+            entry.fail("generation", err.message)
         entries.clear()
         for batch_id in batch_ids:
             try:

@@ -15,10 +15,12 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from text_generation_router import __version__, sse
+from text_generation_router.connection import unless_disconnected
 from text_generation_router.errors import InferError, TemplateFailed
 from text_generation_router.events import TokenEvent
 from text_generation_router.http_body import read_json
-from text_generation_router.infer import Generation, Timing
+from text_generation_router.infer import Generation, Timing, run_together
+from text_generation_router.openapi import body_route, json_or_sse_ok
 from text_generation_router.responses import generate_headers, stream_headers
 from text_generation_router.schemas import (
     ChatRequest,
@@ -75,20 +77,9 @@ def chat_parameters(req: ChatRequest, state: AppState) -> GenerateParameters:
     )
 
 
-def _flatten(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Content parts become one string: templates of text models expect strings."""
-    flat = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        flat.append({**m, "content": content if content is not None else ""})
-    return flat
-
-
 def render_prompt(req: ChatRequest, state: AppState) -> str:
     try:
-        return state.tokenizer.apply_chat_template(_flatten(req.messages))
+        return state.tokenizer.apply_chat_template([m.template_dict() for m in req.messages])
     except TemplateError as err:
         raise TemplateFailed(str(err)) from err
 
@@ -221,7 +212,7 @@ async def completion(state: AppState, req: CompletionRequest) -> Response:
                                      media_type="text/event-stream",
                                      headers=stream_headers(sum(len(x) for x in prompts)))
         async with state.infer.slot():
-            gens = await asyncio.gather(*(_generate_one(state, x, p, Timing()) for x in prompts))
+            gens = await run_together([_generate_one(state, x, p, Timing()) for x in prompts])
     except InferError as err:
         state.metrics.request_failure.labels(err=err.metric_label).inc()
         raise
@@ -257,7 +248,7 @@ async def _completion_events(
     async def run_all() -> None:
         try:
             async with state.infer.slot():
-                await asyncio.gather(*(one(i, x) for i, x in enumerate(prompts)))
+                await run_together([one(i, x) for i, x in enumerate(prompts)])
         except InferError as err:
             state.metrics.request_failure.labels(err=err.metric_label).inc()
             await out.put(sse.event({"error": {"message": err.message, "http_status_code": 422}}))
@@ -275,15 +266,17 @@ async def _completion_events(
 def register_openai_routes(app: FastAPI, state: AppState) -> None:
     limit = state.config.payload_limit
 
-    @app.post("/v1/chat/completions", openapi_extra={"requestBody": {"content": {
-        "application/json": {"schema": ChatRequest.model_json_schema()}}}})
+    @app.post("/v1/chat/completions", openapi_extra=body_route(
+        ChatRequest, json_or_sse_ok("ChatCompletion, or chat.completion.chunk events ending with [DONE]")))
     async def chat(request: Request) -> Response:
-        return await chat_completion(state, await read_json(request, ChatRequest, limit))
+        body = await read_json(request, ChatRequest, limit)
+        return await unless_disconnected(request, chat_completion(state, body))
 
-    @app.post("/v1/completions", openapi_extra={"requestBody": {"content": {
-        "application/json": {"schema": CompletionRequest.model_json_schema()}}}})
+    @app.post("/v1/completions", openapi_extra=body_route(
+        CompletionRequest, json_or_sse_ok("CompletionFinal, or text_completion events ending with [DONE]")))
     async def completions(request: Request) -> Response:
-        return await completion(state, await read_json(request, CompletionRequest, limit))
+        body = await read_json(request, CompletionRequest, limit)
+        return await unless_disconnected(request, completion(state, body))
 
 
 __all__ = ["Grammar", "register_openai_routes"]

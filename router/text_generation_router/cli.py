@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import sys
 
-import uvicorn
 from loguru import logger
 
 from text_generation_router.batcher import Batcher, Health
@@ -16,6 +15,7 @@ from text_generation_router.infer import Infer
 from text_generation_router.metrics import build_metrics
 from text_generation_router.queue import Queue
 from text_generation_router.server import build_app
+from text_generation_router.shutdown import Drain, GracefulServer, server_config
 from text_generation_router.state import AppState
 from text_generation_router.tokenizer import Tokenizer
 from text_generation_router.validation import Limits
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cors-allow-origin", action="append", default=[])
     p.add_argument("--disable-grammar-support", action="store_true")
     p.add_argument("--json-output", action="store_true")
+    # Seconds; the launcher passes its own --graceful-termination-timeout.
+    p.add_argument("--graceful-termination-timeout", type=float, default=90.0)
+    p.add_argument("--request-header-timeout", type=float, default=10.0)
     # Accepted for argv compatibility with upstream's launcher; they change nothing here.
     for flag in ("--revision", "--tokenizer-config-path", "--usage-stats", "--otlp-endpoint",
                  "--otlp-service-name", "--max-image-fetch-size"):
@@ -67,7 +70,8 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
         max_client_batch_size=a.max_client_batch_size, validation_workers=a.validation_workers,
         api_key=a.api_key, cors_allow_origin=tuple(a.cors_allow_origin),
         payload_limit=a.payload_limit, disable_grammar_support=a.disable_grammar_support,
-        json_output=a.json_output,
+        json_output=a.json_output, graceful_termination_timeout_s=a.graceful_termination_timeout,
+        request_header_timeout_s=a.request_header_timeout,
     )
 
 
@@ -91,10 +95,12 @@ async def serve(config: RouterConfig) -> None:
     batcher = Batcher(client, queue, shard, limits, metrics, health,
                       (config.waiting_served_ratio, config.max_waiting_tokens, config.max_batch_size))
     app = build_app(state, batcher)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.hostname, port=config.port, log_level="warning", access_log=False,
-        timeout_graceful_shutdown=5,
-    ))
+    drain = Drain(infer, batcher, config.graceful_termination_timeout_s)
+    server = GracefulServer(
+        server_config(app, config.hostname, config.port, config.graceful_termination_timeout_s,
+                      config.request_header_timeout_s),
+        drain, asyncio.get_running_loop(),
+    )
     logger.info("Connected; serving on {}:{}", config.hostname, config.port)
     await server.serve()
     await client.close()

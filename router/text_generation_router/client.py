@@ -106,12 +106,13 @@ class ShardClient:
         answers = await self._call_all(lambda s: s.FilterBatch(request), idempotent=False)
         return answers[0].batch
 
-    async def prefill(self, batch: pb.Batch) -> StepResult:
-        request = pb.PrefillRequest(batch=batch)
+    async def prefill(self, batch: pb.Batch, per_request_errors: bool = True) -> StepResult:
+        """Prefill a batch; by default a request the shard refuses fails alone (extension)."""
+        request = pb.PrefillRequest(batch=batch, per_request_errors=per_request_errors)
         return _merge(await self._call_all(lambda s: s.Prefill(request), idempotent=False))
 
     async def decode(self, batches: list[pb.CachedBatch]) -> StepResult:
-        request = pb.DecodeRequest(batches=batches)
+        request = pb.DecodeRequest(batches=batches, per_request_errors=True)
         return _merge(await self._call_all(lambda s: s.Decode(request), idempotent=False))
 
 
@@ -126,8 +127,10 @@ class StepResult:
         decode_ns: int,
         total_ns: int,
         concat_ns: int | None,
+        request_errors: list[tuple[int, str]],
     ) -> None:
         self.generations = generations
+        self.request_errors = request_errors  # (request id, message) refused alone
         self.batch = batch
         self.forward_ns = forward_ns
         self.decode_ns = decode_ns
@@ -145,4 +148,5 @@ def _merge(answers: list[pb.PrefillResponse] | list[pb.DecodeResponse]) -> StepR
         decode_ns=first.decode_ns,
         total_ns=first.total_ns,
         concat_ns=first.concat_ns if first.HasField("concat_ns") else None,
+        request_errors=[(e.request_id, e.message) for answer in answers for e in answer.request_errors],
     )

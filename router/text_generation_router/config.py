@@ -18,6 +18,8 @@ class RouterConfig:
         max_batch_total_tokens: padded tokens allowed in flight; None = derived at warmup.
         waiting_served_ratio: queue length / running size that triggers a new prefill.
         max_waiting_tokens: decode steps after which a new prefill is forced.
+        graceful_termination_timeout_s: after SIGTERM, how long in-flight requests may run.
+        request_header_timeout_s: a connection's request head must arrive within this time.
     """
 
     master_shard_uds_path: str
@@ -43,6 +45,8 @@ class RouterConfig:
     payload_limit: int = 2_000_000
     disable_grammar_support: bool = False
     json_output: bool = False
+    graceful_termination_timeout_s: float = 90.0
+    request_header_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         positive = {
@@ -58,6 +62,8 @@ class RouterConfig:
                 raise ValueError(f"{flag} must be > 0, got {value}")
         if self.max_batch_size is not None and self.max_batch_size <= 0:
             raise ValueError(f"--max-batch-size must be > 0, got {self.max_batch_size}")
+        if self.graceful_termination_timeout_s <= 0 or self.request_header_timeout_s <= 0:
+            raise ValueError("--graceful-termination-timeout and --request-header-timeout must be > 0")
         if self.waiting_served_ratio < 0:
             raise ValueError("--waiting-served-ratio must be >= 0")
         if (

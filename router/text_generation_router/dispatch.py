@@ -1,8 +1,15 @@
-"""The protobuf boundary of the batcher: entries -> pb.Batch, pb.Generation -> events."""
+"""The protobuf boundary of the batcher: entries -> pb.Batch, pb.Generation -> events.
+
+Containment rule: whatever goes wrong with one entry here (a value protobuf cannot encode, a
+refusal the shard reports for one request) ends that entry alone with its error event; the
+other entries of the batch are sent and served as if it had never been there.
+"""
 
 from __future__ import annotations
 
 import time
+
+from loguru import logger
 
 from text_generation_router.events import (
     GeneratedText,
@@ -50,17 +57,39 @@ def to_pb_request(entry: Entry) -> pb.Request:
     return request
 
 
-def to_pb_batch(batch_id: int, entries: list[Entry]) -> pb.Batch:
+def encode_requests(entries: dict[int, Entry]) -> list[pb.Request]:
+    """Encode each entry; one that protobuf refuses (out of range, not encodable as UTF-8, a
+    wrong type) fails alone with a 422 and leaves `entries`."""
+    requests = []
+    for entry in list(entries.values()):
+        try:
+            requests.append(to_pb_request(entry))
+        except (ValueError, TypeError) as err:  # protobuf's errors for a value it cannot encode
+            logger.warning("request {} cannot be encoded for the shard: {}", entry.id, err)
+            entry.fail("validation", f"a parameter cannot be sent to the shard: {err}")
+            del entries[entry.id]
+    return requests
+
+
+def to_pb_batch(batch_id: int, entries: list[Entry], requests: list[pb.Request]) -> pb.Batch:
     """Padded batch: no blocks or slots; max_tokens is the padded estimate."""
     max_input = max(e.request.input_length for e in entries)
     max_tokens = len(entries) * max_input + sum(e.request.max_new_tokens for e in entries)
     return pb.Batch(
         id=batch_id,
-        requests=[to_pb_request(e) for e in entries],
+        requests=requests,
         size=len(entries),
         max_tokens=max_tokens,
         max_blocks=0,
     )
+
+
+def dispatch_request_errors(errors: list[tuple[int, str]], entries: dict[int, Entry]) -> None:
+    """The shard refused these requests alone (request_errors extension): 422 each."""
+    for request_id, message in errors:
+        entry = entries.pop(request_id, None)
+        if entry is not None:
+            entry.fail("validation", message)
 
 
 def _tokens(t: pb.Tokens) -> list[Token]:
@@ -101,8 +130,8 @@ def dispatch_generations(
         entry = entries.get(g.request_id)
         if entry is None:
             continue
-        if entry.dropped:
-            metrics.request_failure.labels(err="dropped").inc()
+        if entry.dropped or entry.done:  # client gone (counted by Infer), or already failed
+            entry.done = True
             del entries[g.request_id]
             continue
         report = _layer_skip(g)
@@ -124,6 +153,7 @@ def dispatch_generations(
                 )
             )
         if end is not None:
+            entry.done = True
             del entries[g.request_id]
             _observe_end(entry, end, metrics)
 

@@ -66,3 +66,24 @@ class Unhealthy(InferError):
 
     def __init__(self) -> None:
         super().__init__("unhealthy")
+
+
+class ShuttingDown(InferError):
+    status = 503
+    error_type = "shutdown"
+    metric_label = "incomplete"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"Server is shutting down: {detail}")
+
+
+def error_from_event(kind: str, message: str) -> InferError:
+    """The HTTP error of a request that the batcher ended with an ErrorEvent."""
+    if kind == "validation":
+        return ValidationFailed(message)
+    if kind == "shutdown":
+        return ShuttingDown(message)
+    if kind == "incomplete":
+        return IncompleteGeneration()
+    assert kind == "generation", f"unknown error kind {kind!r}"
+    return GenerationFailed(message)

@@ -52,8 +52,15 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class ErrorEvent:
-    """The request failed in the shard; `message` is the shard's gRPC detail."""
+    """The request ended without its last token.
 
+    `kind` says whose fault it was and so the HTTP answer (errors.error_from_event):
+    "validation" (this request's values, refused by the router's encoder or the shard: 422),
+    "generation" (the shard failed the whole batch: 424), "shutdown" (the graceful
+    termination timeout passed: 503), "incomplete" (the request was lost: 500).
+    """
+
+    kind: str
     message: str
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -11,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from text_generation_router import sse
 from text_generation_router.errors import InferError, ValidationFailed
 from text_generation_router.events import TokenEvent
-from text_generation_router.infer import Generation, Timing
+from text_generation_router.infer import Generation, Timing, run_together
 from text_generation_router.responses import (
     generate_headers,
     generate_json,
@@ -44,7 +43,7 @@ async def run_generate(
         await state.infer.validate(req.inputs, p, req.add_special_tokens) for _ in range(best_of)
     ]
     timing.validated = time.monotonic()
-    generations = await asyncio.gather(*(state.infer.generate(r, timing) for r in requests))
+    generations = await run_together([state.infer.generate(r, timing) for r in requests])
     ranked = sorted(generations, key=_mean_logprob, reverse=True)
     return ranked[0], ranked[1:]
 

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from text_generation_router.errors import (
-    GenerationFailed,
     IncompleteGeneration,
     Overloaded,
+    ShuttingDown,
     ValidationFailed,
+    error_from_event,
 )
 from text_generation_router.events import (
     ErrorEvent,
@@ -31,7 +33,7 @@ from text_generation_router.events import (
 from text_generation_router.metrics import Metrics
 from text_generation_router.queue import Queue
 from text_generation_router.schemas import GenerateParameters
-from text_generation_router.tokenizer import Tokenizer
+from text_generation_router.tokenizer import Tokenizer, TokenSpan
 from text_generation_router.validation import (
     Limits,
     ValidationError,
@@ -41,7 +43,21 @@ from text_generation_router.validation import (
     check_layer_skip,
     check_lengths,
     check_sampling_parameters,
+    refuse_unimplemented,
 )
+
+T = TypeVar("T")
+
+
+async def run_together(works: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """The results of requests that answer one HTTP call (best_of, several prompts), or the
+    first error with the others cancelled: their requests are dropped, not left running."""
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 @dataclass
@@ -80,11 +96,15 @@ class Infer:
         self.metrics = metrics
         self.max_concurrent_requests = max_concurrent_requests
         self.in_flight = 0
+        self.draining = False  # set on SIGTERM (shutdown.py): new requests are refused
         self._pool = ThreadPoolExecutor(validation_workers, thread_name_prefix="validation")
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
-        """One of max_concurrent_requests; refused at once (429) when none is free."""
+        """One of max_concurrent_requests; refused at once (429) when none is free, and with
+        503 once the router is shutting down."""
+        if self.draining:
+            raise ShuttingDown("new requests are refused")
         if self.in_flight >= self.max_concurrent_requests:
             raise Overloaded()
         self.in_flight += 1
@@ -109,6 +129,7 @@ class Infer:
             lengths = check_lengths(inputs, p, num_tokens, self.limits.serving)
             check_layer_skip(p.layer_skip)
             grammar = check_grammar(p, self.limits)
+            refuse_unimplemented(p)
         except ValidationError as err:
             raise ValidationFailed(str(err)) from err
         request = build_valid_request(inputs, p, lengths, grammar, add_special_tokens)
@@ -116,6 +137,14 @@ class Infer:
         self.metrics.request_input_length.observe(request.input_length)
         self.metrics.request_max_new_tokens.observe(request.max_new_tokens)
         return request
+
+    async def tokenize(self, inputs: str) -> list[TokenSpan]:
+        """/tokenize: on a validation worker, refused past max_input_tokens (upstream's message)."""
+        spans = await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenizer.spans, inputs)
+        max_input = self.limits.serving.max_input_tokens
+        if len(spans) > max_input:
+            raise ValidationFailed(f"`inputs` must have less than {max_input} tokens. Given: {len(spans)}")
+        return spans
 
     async def stream(self, request: ValidRequest, timing: Timing) -> AsyncIterator[InferEvent]:
         """Queue a validated request and yield its events until its last token.
@@ -131,16 +160,18 @@ class Infer:
                 event = await entry.events.get()
                 if isinstance(event, ErrorEvent):
                     finished = True
-                    raise GenerationFailed(event.message)
+                    raise error_from_event(event.kind, event.message)
                 if not timing.first_batched:
                     timing.first_batched = entry.batched_at or time.monotonic()
+                # Set before the yield: a consumer may stop iterating at the last token.
+                finished = isinstance(event, TokenEvent) and event.end is not None
                 yield event
-                if isinstance(event, TokenEvent) and event.end is not None:
-                    finished = True
+                if finished:
                     return
         finally:
-            if not finished:
+            if not finished:  # the client went away: counted once, here, wherever it was
                 entry.dropped = True
+                self.metrics.request_failure.labels(err="dropped").inc()
 
     async def generate(self, request: ValidRequest, timing: Timing) -> Generation:
         """Run a request to completion and collect its tokens."""

@@ -7,6 +7,7 @@ exit non-zero naming it; SIGINT/SIGTERM stop both process groups gracefully.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -23,6 +25,27 @@ from text_generation_router.launcher_args import LauncherArgs, parse_args
 
 POLL_S = 0.1
 TAIL_LINES = 40
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_launcher() -> Callable[[], None] | None:
+    """A preexec_fn making the kernel SIGTERM the child when the launcher dies, SIGKILL included.
+
+    The children run in sessions of their own (so that a terminal's Ctrl-C reaches the launcher
+    only, which then stops them in order); without this an orphaned shard would keep its memory
+    and socket. libc is loaded before the fork: the child only makes the one call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    launcher_pid = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher_pid:  # the launcher died before the call took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 def log(level: str, text: str, json_output: bool = False) -> None:
@@ -122,7 +145,8 @@ def download(args: LauncherArgs, env: dict[str, str]) -> str:
         argv.append("--trust-remote-code")
     log("INFO", f"Starting download process: {' '.join(argv[1:])}", a.json_output)
     shard_log = ShardLog("download", a.json_output)
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=die_with_launcher())
     threads = shard_log.pump(proc)
     code = proc.wait()
     for t in threads:
@@ -182,6 +206,7 @@ def router_argv(args: LauncherArgs, tokenizer_name: str) -> list[str]:
             "--port", str(a.port), "--prometheus-port", str(a.prometheus_port),
             "--master-shard-uds-path", f"{a.shard_uds_path}-0", "--tokenizer-name", tokenizer_name,
             "--payload-limit", str(a.payload_limit),
+            "--graceful-termination-timeout", str(a.graceful_termination_timeout),
             "--served-model-name", a.served_model_name or a.model_id]
     optional = {"--max-input-tokens": args.max_input_tokens, "--max-total-tokens": a.max_total_tokens,
                 "--max-batch-total-tokens": a.max_batch_total_tokens,
@@ -233,7 +258,7 @@ class Supervisor:
         argv = shard_argv(self.args)
         log("INFO", f"Starting shard 0: {' '.join(argv[1:])}", self.json_output)
         self.shard = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, start_new_session=True)
+                                      text=True, start_new_session=True, preexec_fn=die_with_launcher())
         self.shard_log.pump(self.shard)
         while not socket.exists():
             if self.shard.poll() is not None:
@@ -254,7 +279,7 @@ class Supervisor:
         shown = [x if x != self.args.ns.api_key else "***" for x in argv[1:]]
         log("INFO", f"Starting router: {' '.join(shown)}", self.json_output)
         env = {**env, "COMPUTE_TYPE": env.get("COMPUTE_TYPE", "1-cpu")}
-        self.router = subprocess.Popen(argv, env=env, start_new_session=True)
+        self.router = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_launcher())
 
     def watch(self) -> int:
         """Poll both children; returns the launcher's exit code."""

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from text_generation_router.events import InferEvent, LayerSkip
+from text_generation_router.events import ErrorEvent, InferEvent, LayerSkip
 from text_generation_router.validation import ValidRequest
 
 
@@ -28,7 +28,15 @@ class Entry:
     batched_at: float | None = None
     # Set by the HTTP side when its client went away; the batcher drops it at the next step.
     dropped: bool = False
+    # Set by the batcher once the request has its last event (last token or error).
+    done: bool = False
     layer_skip: LayerSkip | None = None
+
+    def fail(self, kind: str, message: str) -> None:
+        """End this request alone with an error event (see ErrorEvent for the kinds)."""
+        if not self.done:
+            self.done = True
+            self.events.put_nowait(ErrorEvent(kind, message))
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,11 @@ class Queue:
         self._entries.append(entry)
         self.notify.set()
         return entry
+
+    def fail_all(self, kind: str, message: str) -> None:
+        """End every waiting request with an error (graceful termination deadline)."""
+        while self._entries:
+            self._entries.popleft().fail(kind, message)
 
     def next_batch(self, min_size: int | None, budget: Budget) -> list[Entry] | None:
         """Pop the oldest live entries that fit; None if fewer than min_size (or none) fit."""

@@ -1,45 +1,60 @@
-"""HTTP request bodies (pydantic): shapes and types only; value checks live in validation.py."""
+"""HTTP request bodies (pydantic): shapes and wire types only; value checks live in validation.py.
+
+Every field has upstream's Rust type (wire_types.py): a body whose field does not fit its type
+is refused before validation, as upstream's serde extractor does (422, plain text).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+from text_generation_router.wire_types import (
+    Bool,
+    OptBool,
+    OptF32,
+    OptI32,
+    OptStr,
+    OptU32,
+    OptU64,
+    Str,
+)
 
 
 class Grammar(BaseModel):
-    type: str
+    type: Literal["json", "json_object", "regex", "json_schema"]
     value: Any = None
 
 
 class GenerateParameters(BaseModel):
-    best_of: int | None = Field(default=None, ge=0)
-    decoder_input_details: bool = False
-    details: bool = False
-    do_sample: bool = False
-    frequency_penalty: float | None = None
+    best_of: OptU64 = None
+    decoder_input_details: Bool = False
+    details: Bool = False
+    do_sample: Bool = False
+    frequency_penalty: OptF32 = None
     grammar: Grammar | None = None
-    max_new_tokens: int | None = Field(default=None, ge=0)
-    repetition_penalty: float | None = None
-    return_full_text: bool | None = None
-    seed: int | None = Field(default=None, ge=0)
-    stop: list[str] = Field(default_factory=list)
-    temperature: float | None = None
-    top_k: int | None = None
-    top_n_tokens: int | None = Field(default=None, ge=0)
-    top_p: float | None = None
-    truncate: int | None = Field(default=None, ge=0)
-    typical_p: float | None = None
-    watermark: bool = False
-    adapter_id: str | None = None
+    max_new_tokens: OptU32 = None
+    repetition_penalty: OptF32 = None
+    return_full_text: OptBool = None
+    seed: OptU64 = None
+    stop: list[Str] = Field(default_factory=list)
+    temperature: OptF32 = None
+    top_k: OptI32 = None
+    top_n_tokens: OptU32 = None
+    top_p: OptF32 = None
+    truncate: OptU64 = None
+    typical_p: OptF32 = None
+    watermark: Bool = False
+    adapter_id: OptStr = None
     # Extension of this fork: per-request layer-skip mode.
-    layer_skip: str | None = None
+    layer_skip: OptStr = None
 
 
 class GenerateRequest(BaseModel):
-    inputs: str
+    inputs: Str
     parameters: GenerateParameters | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: Bool = True
 
     def effective_parameters(self) -> GenerateParameters:
         """An absent `parameters` object means sampling (spec §8 gotcha 4)."""
@@ -49,44 +64,89 @@ class GenerateRequest(BaseModel):
 
 
 class CompatGenerateRequest(GenerateRequest):
-    stream: bool = False
+    stream: Bool = False
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Bool = False
+
+
+class ImageUrl(BaseModel):
+    url: Str
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: Str
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class Message(BaseModel):
+    """One chat message: text content (a string or parts), or tool calls (upstream's MessageBody)."""
+
+    role: Str
+    content: Str | list[ContentPart] | None = None
+    name: OptStr = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _has_body(self) -> Message:
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("a message needs `content` or `tool_calls`")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates of text models expect it: content as one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content if isinstance(p, TextPart))
+        out: dict[str, Any] = {"role": self.role, "content": content if content is not None else ""}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        return out
 
 
 class ChatRequest(BaseModel):
-    model: str | None = None
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    stream: bool = False
+    model: OptStr = None
+    messages: list[Message]
+    max_tokens: OptU32 = None
+    max_completion_tokens: OptU32 = None
+    temperature: OptF32 = None
+    top_p: OptF32 = None
+    seed: OptU64 = None
+    stop: list[Str] | Str | None = None
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    frequency_penalty: OptF32 = None
+    presence_penalty: OptF32 = None
+    logprobs: OptBool = None
+    top_logprobs: OptU32 = None
     response_format: Grammar | None = None
-    n: int | None = None
-    logit_bias: Any = None
-    tools: Any = None
+    n: OptU32 = None
+    logit_bias: dict[Str, OptF32] | list[OptF32] | None = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    tool_prompt: OptStr = None
 
 
 class CompletionRequest(BaseModel):
-    model: str | None = None
-    prompt: str | list[str]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    stream: bool = False
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    suffix: str | None = None
+    model: OptStr = None
+    prompt: Str | list[Str]
+    max_tokens: OptU32 = None
+    temperature: OptF32 = None
+    top_p: OptF32 = None
+    seed: OptU64 = None
+    stop: list[Str] | Str | None = None
+    stream: Bool = False
+    repetition_penalty: OptF32 = None
+    frequency_penalty: OptF32 = None
+    suffix: OptStr = None

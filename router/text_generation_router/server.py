@@ -5,32 +5,33 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
-from text_generation_router import __version__
+from text_generation_router import __version__, openapi
 from text_generation_router.batcher import Batcher
 from text_generation_router.chat import register_openai_routes
 from text_generation_router.client import ShardError
+from text_generation_router.connection import ClientGone, unless_disconnected
 from text_generation_router.errors import InferError
 from text_generation_router.generate import generate_response, stream_response
 from text_generation_router.http_body import BodyError, read_json
 from text_generation_router.metrics import render
+from text_generation_router.openapi import body_route, json_ok, json_or_sse_ok, sse_ok
 from text_generation_router.pb import generate_pb2 as pb
-from text_generation_router.schemas import CompatGenerateRequest, GenerateRequest
+from text_generation_router.schemas import (
+    ChatRequest,
+    CompatGenerateRequest,
+    CompletionRequest,
+    GenerateRequest,
+)
 from text_generation_router.state import AppState
 
 PROTECTED = {"/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions",
              "/tokenize", "/invocations", "/vertex"}
 HEALTH_BATCH_ID = 2**64 - 1
-
-
-def _json_body_schema(model: type[Any]) -> dict[str, Any]:
-    schema = {"schema": model.model_json_schema()}
-    return {"requestBody": {"required": True, "content": {"application/json": schema}}}
 
 
 def build_app(state: AppState, batcher: Batcher) -> FastAPI:
@@ -57,6 +58,7 @@ def build_app(state: AppState, batcher: Batcher) -> FastAPI:
     _register_native_routes(app, state)
     _register_info_routes(app, state)
     register_openai_routes(app, state)
+    openapi.install(app, [GenerateRequest, CompatGenerateRequest, ChatRequest, CompletionRequest])
     return app
 
 
@@ -79,6 +81,10 @@ def _install_errors(app: FastAPI) -> None:
     async def infer_error(_: Request, err: InferError) -> JSONResponse:
         return JSONResponse({"error": err.message, "error_type": err.error_type}, err.status)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, err: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
     @app.exception_handler(BodyError)
     async def body_error(_: Request, err: BodyError) -> Response:
         return Response(err.text, status_code=err.status, media_type="text/plain; charset=utf-8")
@@ -87,28 +93,32 @@ def _install_errors(app: FastAPI) -> None:
 def _register_native_routes(app: FastAPI, state: AppState) -> None:
     limit = state.config.payload_limit
 
-    @app.post("/generate", openapi_extra=_json_body_schema(GenerateRequest))
+    @app.post("/generate", openapi_extra=body_route(GenerateRequest, json_ok("GenerateResponse")))
     async def generate(request: Request) -> Response:
         req = await read_json(request, GenerateRequest, limit)
-        return await generate_response(state, req, default_full_text=False, as_list=False)
+        work = generate_response(state, req, default_full_text=False, as_list=False)
+        return await unless_disconnected(request, work)
 
-    @app.post("/generate_stream", openapi_extra=_json_body_schema(GenerateRequest))
+    @app.post("/generate_stream", openapi_extra=body_route(GenerateRequest, sse_ok("StreamResponse events")))
     async def generate_stream(request: Request) -> Response:
         req = await read_json(request, GenerateRequest, limit)
         return stream_response(state, req, default_full_text=False)
 
-    @app.post("/", openapi_extra=_json_body_schema(CompatGenerateRequest))
+    @app.post("/", openapi_extra=body_route(
+        CompatGenerateRequest, json_or_sse_ok("[GenerateResponse], or StreamResponse events")))
     async def compat_generate(request: Request) -> Response:
         req = await read_json(request, CompatGenerateRequest, limit)
         # return_full_text defaults to true for an unknown pipeline tag (spec §8.1).
         if req.stream:
             return stream_response(state, req, default_full_text=True)
-        return await generate_response(state, req, default_full_text=True, as_list=True)
+        work = generate_response(state, req, default_full_text=True, as_list=True)
+        return await unless_disconnected(request, work)
 
-    @app.post("/tokenize", openapi_extra=_json_body_schema(GenerateRequest))
+    @app.post("/tokenize", openapi_extra=body_route(
+        GenerateRequest, json_ok("Tokens with their offsets", {"type": "array", "items": {"type": "object"}})))
     async def tokenize(request: Request) -> Response:
         req = await read_json(request, GenerateRequest, limit)
-        spans = state.tokenizer.spans(req.inputs)
+        spans = await unless_disconnected(request, state.infer.tokenize(req.inputs))
         return JSONResponse([{"id": s.id, "text": s.text, "start": s.start, "stop": s.stop} for s in spans])
 
 

@@ -162,6 +162,19 @@ def check_grammar(p: GenerateParameters, limits: Limits) -> tuple[str, int]:
     raise ValidationError(f"grammar is not valid: unknown grammar type {kind}")
 
 
+def refuse_unimplemented(p: GenerateParameters) -> None:
+    """The features this backend refuses until they are implemented: the one place to lift.
+
+    Checked after everything else, so a request that would be invalid anyway gets upstream's
+    message for that. Grammar gets upstream's literal message for a router started with
+    `--disable-grammar-support`.
+    """
+    if p.grammar is not None:
+        raise ValidationError("grammar is not supported")
+    if p.watermark:
+        raise ValidationError("`watermark` is not supported by this backend")
+
+
 def check_layer_skip(mode: str | None) -> str:
     if mode is None:
         return ""

@@ -30,6 +30,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
+        named = {"temperature": self.temperature, "top_p": self.top_p, "typical_p": self.typical_p,
+                 "repetition_penalty": self.repetition_penalty, "frequency_penalty": self.frequency_penalty}
+        for name, value in named.items():
+            if not math.isfinite(value):  # another router may send NaN or infinity
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be strictly positive, got {self.temperature}")
         if self.repetition_penalty <= 0:

@@ -5,6 +5,10 @@ Protobuf stays at this boundary: batches come in through `CausalLMBatch.from_pb`
 request) becomes INVALID_ARGUMENT with its message and the shard keeps serving; a
 `RuntimeError` (a broken model or device state) becomes INTERNAL and stops the shard, as
 upstream's does, so that the launcher notices; anything else becomes INTERNAL.
+
+Request isolation (extension): when the router sets `per_request_errors` on Prefill/Decode, a
+request with a bad value is refused alone in the response's `request_errors` and the rest of
+the batch runs; without it (an upstream router) the whole RPC fails as upstream's would.
 """
 
 from __future__ import annotations
@@ -187,7 +191,19 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         return await self._call(context, self._prefill, request, time.perf_counter_ns())
 
     def _prefill(self, request: generate_pb2.PrefillRequest, start_ns: int) -> generate_pb2.PrefillResponse:
-        return self._step(self._from_pb(request.batch), generate_pb2.PrefillResponse, start_ns)
+        if not request.per_request_errors:
+            return self._step(self._from_pb(request.batch), generate_pb2.PrefillResponse, start_ns)
+        batch, refused = CausalLMBatch.from_pb_isolated(
+            request.batch, self.model.tokenizer, self.model.runner.num_layers, self.model.eos_token_ids,
+            self.max_input_tokens)
+        for request_id, message in refused:
+            logger.warning(f"Request {request_id} refused: {message}")
+        if batch is None:
+            out = generate_pb2.PrefillResponse(total_ns=time.perf_counter_ns() - start_ns)
+        else:
+            out = self._step(batch, generate_pb2.PrefillResponse, start_ns, per_request_errors=True)
+        out.request_errors.extend(generate_pb2.RequestError(request_id=i, message=m) for i, m in refused)
+        return out
 
     async def Decode(self, request: generate_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> generate_pb2.DecodeResponse:
@@ -197,19 +213,30 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         if not request.batches:
             raise ValueError("Decode needs at least one batch")
         batches = self.cache.pop_all([b.id for b in request.batches])
+        isolated = request.per_request_errors
         if len(batches) == 1:
-            return self._step(batches[0], generate_pb2.DecodeResponse, start_ns)
+            return self._step(batches[0], generate_pb2.DecodeResponse, start_ns, per_request_errors=isolated)
         concat_start = time.perf_counter_ns()
         batch = CausalLMBatch.concatenate(batches)
         concat_ns = time.perf_counter_ns() - concat_start
-        return self._step(batch, generate_pb2.DecodeResponse, start_ns, concat_ns)
+        return self._step(batch, generate_pb2.DecodeResponse, start_ns, concat_ns, isolated)
 
-    def _step(self, batch: CausalLMBatch, response: type[R], start_ns: int, concat_ns: int | None = None) -> R:
-        """One generate_token step; caches the batch that goes on and builds the response."""
+    def _step(self, batch: CausalLMBatch, response: type[R], start_ns: int, concat_ns: int | None = None,
+              per_request_errors: bool = False) -> R:
+        """One generate_token step; caches the batch that goes on and builds the response.
+
+        A request that failed alone in the step is reported in `request_errors` when the router
+        asked for that, else the RPC fails naming it (upstream's behaviour).
+        """
         generations, next_batch, timings = self.model.generate_token(batch)
         self.cache.set(next_batch)
-        out = response(generations=[generation_to_pb(g) for g in generations],
-                       forward_ns=timings.forward_ns, decode_ns=timings.decode_ns)
+        failed = [g for g in generations if g.error is not None]
+        if failed and not per_request_errors:
+            raise ValueError(f"request {failed[0].request_id}: {failed[0].error}")
+        out = response(generations=[generation_to_pb(g) for g in generations if g.error is None],
+                       forward_ns=timings.forward_ns, decode_ns=timings.decode_ns,
+                       request_errors=[generate_pb2.RequestError(request_id=g.request_id, message=g.error or "")
+                                       for g in failed])
         if next_batch is not None:
             out.batch.CopyFrom(next_batch.to_pb())
         if concat_ns is not None:

@@ -288,51 +288,67 @@ class FilterBatchResponse(_message.Message):
     batch: CachedBatch
     def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
 
+class RequestError(_message.Message):
+    __slots__ = ("request_id", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    message: str
+    def __init__(self, request_id: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
-    __slots__ = ("batch", "cached_batch")
+    __slots__ = ("batch", "cached_batch", "per_request_errors")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CACHED_BATCH_FIELD_NUMBER: _ClassVar[int]
+    PER_REQUEST_ERRORS_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     cached_batch: CachedBatch
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
+    per_request_errors: bool
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., per_request_errors: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns")
+    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns", "request_errors")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     CONCAT_NS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ERRORS_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     forward_ns: int
     decode_ns: int
     total_ns: int
     concat_ns: int
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ...) -> None: ...
+    request_errors: _containers.RepeatedCompositeFieldContainer[RequestError]
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("batches",)
+    __slots__ = ("batches", "per_request_errors")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    PER_REQUEST_ERRORS_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ...) -> None: ...
+    per_request_errors: bool
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., per_request_errors: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns")
+    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns", "request_errors")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     CONCAT_NS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ERRORS_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     forward_ns: int
     decode_ns: int
     total_ns: int
     concat_ns: int
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ...) -> None: ...
+    request_errors: _containers.RepeatedCompositeFieldContainer[RequestError]
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
     __slots__ = ("batch", "max_input_tokens", "max_prefill_tokens", "max_total_tokens")

@@ -47,10 +47,9 @@ class RequestState:
 def _params_from_pb(request: generate_pb2.Request) -> SamplingParams:
     p = request.parameters
     if p.watermark:
-        raise ValueError(f"request {request.id}: watermark is not supported by this shard")
+        raise ValueError("watermark is not supported by this shard")
     if p.grammar_type != generate_pb2.GRAMMAR_TYPE_NONE or p.grammar:
-        raise ValueError(f"request {request.id}: grammar ({generate_pb2.GrammarType.Name(p.grammar_type)}) "
-                         f"is not supported by this shard")
+        raise ValueError(f"grammar ({generate_pb2.GrammarType.Name(p.grammar_type)}) is not supported by this shard")
     return SamplingParams(
         temperature=p.temperature if p.temperature else 1.0,
         top_k=p.top_k,
@@ -69,25 +68,42 @@ def _prompt_text(request: generate_pb2.Request) -> str:
         return request.inputs
     texts = [c.text for c in chunks if c.WhichOneof("chunk") == "text"]
     if len(texts) != len(chunks):
-        raise ValueError(f"request {request.id}: image chunks are not supported by this text-only model")
+        raise ValueError("image chunks are not supported by this text-only model")
     return "".join(texts)
 
 
 def _tokenize(request: generate_pb2.Request, tokenizer: PreTrainedTokenizerBase, max_input_tokens: int) -> list[int]:
     text = _prompt_text(request)
     if not text:
-        raise ValueError(f"request {request.id}: empty input")
+        raise ValueError("empty input")
     ids: list[int] = tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"]
     if not ids:
-        raise ValueError(f"request {request.id}: input {text!r} encodes to no tokens")
+        raise ValueError(f"input {text[:80]!r} encodes to no tokens")
     if request.truncate:
         if request.truncate > max_input_tokens:
-            raise ValueError(f"request {request.id}: truncate={request.truncate} is out of range "
-                             f"(max_input_tokens={max_input_tokens})")
+            raise ValueError(f"truncate={request.truncate} is out of range (max_input_tokens={max_input_tokens})")
         ids = ids[-request.truncate:]
     if len(ids) > max_input_tokens:
-        raise ValueError(f"request {request.id}: {len(ids)} input tokens exceed max_input_tokens={max_input_tokens}")
+        raise ValueError(f"{len(ids)} input tokens exceed max_input_tokens={max_input_tokens}")
     return ids
+
+
+def _request_state(r: generate_pb2.Request, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int],
+                   max_input_tokens: int) -> RequestState:
+    """One request's state; a ValueError names what is wrong with this request."""
+    ids = _tokenize(r, tokenizer, max_input_tokens)
+    stop = r.stopping_parameters
+    if r.layer_skip_mode and r.layer_skip_mode not in MODES:
+        raise ValueError(f"layer_skip mode {r.layer_skip_mode!r} is not one of {', '.join(MODES)}")
+    return RequestState(
+        id=r.id, all_ids=ids, input_length=len(ids),
+        chooser=NextTokenChooser(_params_from_pb(r)),
+        stopping=StoppingCriteria(stop.max_new_tokens, eos_token_ids, tuple(stop.stop_sequences),
+                                  stop.ignore_eos_token),
+        top_n_tokens=r.top_n_tokens, prefill_logprobs=r.prefill_logprobs,
+        layer_skip_mode=r.layer_skip_mode,
+        prefix_offset=max(len(ids) - 5, 0), read_offset=len(ids),
+    )
 
 
 @dataclass
@@ -110,27 +126,48 @@ class CausalLMBatch:
         eos_token_ids: frozenset[int],
         max_input_tokens: int,
     ) -> CausalLMBatch:
-        """A new batch with every row in one group; `regroup` splits it by plan before prefill."""
+        """A new batch, or a ValueError naming the first bad request (upstream's behaviour)."""
         if not pb.requests:
             raise ValueError(f"batch {pb.id} has no requests")
         requests: list[RequestState] = []
         for r in pb.requests:
-            ids = _tokenize(r, tokenizer, max_input_tokens)
-            stop = r.stopping_parameters
-            if r.layer_skip_mode and r.layer_skip_mode not in MODES:
-                raise ValueError(f"request {r.id}: layer_skip mode {r.layer_skip_mode!r} is not one of "
-                                 f"{', '.join(MODES)}")
-            requests.append(RequestState(
-                id=r.id, all_ids=ids, input_length=len(ids),
-                chooser=NextTokenChooser(_params_from_pb(r)),
-                stopping=StoppingCriteria(stop.max_new_tokens, eos_token_ids, tuple(stop.stop_sequences),
-                                          stop.ignore_eos_token),
-                top_n_tokens=r.top_n_tokens, prefill_logprobs=r.prefill_logprobs,
-                layer_skip_mode=r.layer_skip_mode,
-                prefix_offset=max(len(ids) - 5, 0), read_offset=len(ids),
-            ))
+            try:
+                requests.append(_request_state(r, tokenizer, eos_token_ids, max_input_tokens))
+            except ValueError as err:
+                raise ValueError(f"request {r.id}: {err}") from err
+        return cls._new(pb.id, requests, tokenizer, num_layers)
+
+    @classmethod
+    def from_pb_isolated(
+        cls,
+        pb: generate_pb2.Batch,
+        tokenizer: PreTrainedTokenizerBase,
+        num_layers: int,
+        eos_token_ids: frozenset[int],
+        max_input_tokens: int,
+    ) -> tuple[CausalLMBatch | None, list[tuple[int, str]]]:
+        """A new batch of the requests that can run, and (id, message) of those refused alone.
+
+        The batch is None when every request was refused.
+        """
+        if not pb.requests:
+            raise ValueError(f"batch {pb.id} has no requests")
+        requests: list[RequestState] = []
+        refused: list[tuple[int, str]] = []
+        for r in pb.requests:
+            try:
+                requests.append(_request_state(r, tokenizer, eos_token_ids, max_input_tokens))
+            except ValueError as err:
+                refused.append((r.id, str(err)))
+        batch = cls._new(pb.id, requests, tokenizer, num_layers) if requests else None
+        return batch, refused
+
+    @classmethod
+    def _new(cls, batch_id: int, requests: list[RequestState], tokenizer: PreTrainedTokenizerBase,
+             num_layers: int) -> CausalLMBatch:
+        """Every row in one group; `regroup` splits it by plan before prefill."""
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        batch = cls(pb.id, requests, [], num_layers, pad_id)
+        batch = cls(batch_id, requests, [], num_layers, pad_id)
         batch.regroup({s.id: NO_SKIP for s in requests})
         return batch
 

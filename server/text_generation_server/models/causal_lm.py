@@ -53,6 +53,7 @@ class Generation:
     top_tokens: list[TokenInfo] = field(default_factory=list)
     generated_text: FinishedText | None = None
     layer_skip: SkipReport | None = None
+    error: str | None = None  # this request failed alone in this step (it is finished, no tokens)
 
 
 @dataclass
@@ -107,8 +108,7 @@ class CausalLM:
             self.plan(batch)
         steps = self.run_groups(batch)  # request id -> its tokens of this step
         forward_done = time.perf_counter_ns()
-        generations = [self.request_generation(state, steps[state.id])
-                       for state in batch.requests if not state.finished]
+        generations = self.generations(batch, steps)
         self.adapt_drafting(batch, steps)
         generations = self.check_shadows(batch, generations)
         alive = any(not s.finished for s in batch.requests)
@@ -175,6 +175,20 @@ class CausalLM:
                 g.layer_skip.stats.update(shadow_consistency=monitor.consistency, shadow_checks=len(monitor.results),
                                           rollbacks=monitor.rollbacks)
         return shown
+
+    def generations(self, batch: CausalLMBatch, steps: dict[int, RowStep]) -> list[Generation]:
+        """One Generation per live request. A request whose step cannot be recorded (a ValueError
+        from its detokenization or stop checks) ends alone with its error; the others go on."""
+        out = []
+        for state in batch.requests:
+            if state.finished:
+                continue
+            try:
+                out.append(self.request_generation(state, steps[state.id]))
+            except ValueError as err:
+                state.finished = True
+                out.append(Generation(state.id, TokenInfo(), error=str(err)))
+        return out
 
     def costs(self) -> CostModel:
         """The draft/verify cost model (measured once, at warmup or on first use)."""

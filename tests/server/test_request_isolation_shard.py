@@ -1,0 +1,127 @@
+"""Per-request refusal in the shard (the `per_request_errors` extension), on the real default model:
+a batch with bad requests prefills the good ones, which produce their solo tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from text_generation_server.models.batch import CausalLMBatch
+from text_generation_server.models.causal_lm import CausalLM
+from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
+from text_generation_server.models.runner import build_runner
+from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner
+from text_generation_server.pb import generate_pb2, generate_pb2_grpc
+from text_generation_server.stopping import FinishReason, StoppingCriteria
+
+from factories import Outcome, collect, make_batch, make_request, run_to_completion
+
+Stub = generate_pb2_grpc.TextGenerationServiceStub
+PROMPT = "1, 2, 3, 4, 5,"
+
+
+def _bad_requests() -> dict[int, tuple[generate_pb2.Request, str]]:
+    """Each refusal class the shard checks per request, with a piece of its message."""
+    cases = {
+        901: (make_request(901, "", 4), "empty input"),
+        902: (make_request(902, "hello", 4, truncate=10**6), "truncate=1000000 is out of range"),
+        903: (make_request(903, "hello", 4, watermark=True), "watermark is not supported"),
+        904: (make_request(904, "hello", 4, grammar="[0-9]+", grammar_type=generate_pb2.GRAMMAR_TYPE_REGEX),
+              "grammar (GRAMMAR_TYPE_REGEX) is not supported"),
+        905: (make_request(905, "hello", 0), "max_new_tokens must be strictly positive"),
+        906: (make_request(906, "hello", 4, temperature=float("nan")), "temperature must be a finite number"),
+        907: (make_request(907, "hello", 4, repetition_penalty=float("inf")), "repetition_penalty must be a finite"),
+    }
+    bad_mode = make_request(908, "hello", 4)
+    bad_mode.layer_skip_mode = "fast"
+    cases[908] = (bad_mode, "layer_skip mode 'fast' is not one of")
+    return cases
+
+
+def _run_isolated(shard: Stub, batch_id: int, requests: list[generate_pb2.Request]) -> tuple[
+        dict[int, Outcome], dict[int, str]]:
+    outcomes: dict[int, Outcome] = {}
+    answer = shard.Prefill(generate_pb2.PrefillRequest(batch=make_batch(batch_id, requests), per_request_errors=True))
+    refused = {e.request_id: e.message for e in answer.request_errors}
+    collect(outcomes, list(answer.generations))
+    cached = answer.batch if answer.HasField("batch") else None
+    if cached is not None:
+        assert not set(cached.request_ids) & set(refused), "a refused request stayed in the batch"
+    while cached is not None:
+        live = [rid for rid in cached.request_ids if outcomes[rid].final is None]
+        if len(live) != len(cached.request_ids):
+            cached = shard.FilterBatch(generate_pb2.FilterBatchRequest(batch_id=cached.id, request_ids=live)).batch
+        step = shard.Decode(generate_pb2.DecodeRequest(batches=[cached], per_request_errors=True))
+        assert not step.request_errors
+        collect(outcomes, list(step.generations))
+        cached = step.batch if step.HasField("batch") else None
+    return outcomes, refused
+
+
+def test_bad_requests_are_refused_alone_and_the_rest_is_prefilled(shard: Stub) -> None:
+    solo = run_to_completion(shard, 950, [make_request(950, PROMPT, 12)])[950].token_ids
+    bad = _bad_requests()
+    mixed = [bad[901][0], make_request(960, PROMPT, 12), *(r for rid, (r, _) in bad.items() if rid != 901)]
+    outcomes, refused = _run_isolated(shard, 951, mixed)
+    assert set(refused) == set(bad)
+    for rid, (_, piece) in bad.items():
+        assert piece in refused[rid], (rid, refused[rid])
+        assert not refused[rid].startswith("request "), "the message is for the client, without our ids"
+    assert set(outcomes) == {960}
+    assert outcomes[960].token_ids == solo
+
+
+def test_a_batch_of_only_bad_requests_leaves_nothing_cached(shard: Stub) -> None:
+    bad = _bad_requests()
+    answer = shard.Prefill(generate_pb2.PrefillRequest(
+        batch=make_batch(970, [bad[901][0], bad[903][0]]), per_request_errors=True))
+    assert not answer.generations and not answer.HasField("batch")
+    assert [e.request_id for e in answer.request_errors] == [901, 903]
+    with pytest.raises(grpc.RpcError) as err:
+        shard.FilterBatch(generate_pb2.FilterBatchRequest(batch_id=970, request_ids=[901]))
+    assert err.value.details() == "Batch ID 970 not found in cache."
+
+
+class _FailingStop(StoppingCriteria):
+    """A stop check that breaks at the request's third token (stands for a detokenization or
+    stop-sequence error of this request alone)."""
+
+    def __call__(self, token_id: int, text: str) -> FinishReason | None:
+        if self.num_generated == 2:
+            raise ValueError("stop sequence check failed")
+        return super().__call__(token_id, text)
+
+
+def test_a_request_failing_mid_decode_ends_alone(model_path: Path) -> None:
+    """In-process, on the real model: the failing request gets its error, the other its solo tokens."""
+    tokenizer = load_tokenizer(model_path)
+    hf_model = load_model(model_path, LoadConfig())
+    lm = CausalLM(build_runner(hf_model, "auto"), tokenizer, frozenset({tokenizer.eos_token_id}),
+                  SkipPlanner(hf_model, LayerSkipConfig()))
+
+    def decode(requests: list[generate_pb2.Request],
+               break_id: int | None) -> tuple[dict[int, list[int]], dict[int, str]]:
+        batch: CausalLMBatch | None = CausalLMBatch.from_pb(
+            make_batch(1, requests), tokenizer, lm.runner.num_layers, lm.eos_token_ids, 1000)
+        assert batch is not None
+        for state in batch.requests:
+            if state.id == break_id:
+                s = state.stopping
+                state.stopping = _FailingStop(s.max_new_tokens, s.eos_token_ids, s.stop_sequences)
+        tokens: dict[int, list[int]] = {r.id: [] for r in requests}
+        errors: dict[int, str] = {}
+        while batch is not None:
+            generations, batch, _ = lm.generate_token(batch)
+            for g in generations:
+                tokens[g.request_id].extend(g.tokens.ids)
+                if g.error is not None:
+                    errors[g.request_id] = g.error
+        return tokens, errors
+
+    solo, _ = decode([make_request(1, PROMPT, 8)], None)
+    tokens, errors = decode([make_request(1, PROMPT, 8), make_request(2, "Hello", 8)], break_id=2)
+    assert errors == {2: "stop sequence check failed"}
+    assert len(tokens[2]) == 2  # its tokens before the failure, none after
+    assert tokens[1] == solo[1]
