@@ -27,7 +27,8 @@ def _bad_requests() -> dict[int, tuple[generate_pb2.Request, str]]:
     cases = {
         901: (make_request(901, "", 4), "empty input"),
         902: (make_request(902, "hello", 4, grammar="[0-9]+"), "a grammar was sent with GRAMMAR_TYPE_NONE"),
-        903: (make_request(903, "hello", 4, grammar='{"type": "nonsense"}', grammar_type=generate_pb2.GRAMMAR_TYPE_JSON),
+        903: (make_request(903, "hello", 4, grammar='{"type": "nonsense"}',
+                           grammar_type=generate_pb2.GRAMMAR_TYPE_JSON),
               "grammar is not valid: json grammar does not compile"),
         904: (make_request(904, "hello", 4, grammar="[0-9", grammar_type=generate_pb2.GRAMMAR_TYPE_REGEX),
               "grammar is not valid: regex grammar does not compile"),

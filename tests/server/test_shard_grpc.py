@@ -154,7 +154,8 @@ def test_top_n_tokens_and_prefill_logprobs_shapes(shard: Stub) -> None:
         (lambda s: s.Prefill(generate_pb2.PrefillRequest(batch=make_batch(700, [make_request(701, "", 4)]))),
          "request 701: empty input"),
         (lambda s: s.Prefill(generate_pb2.PrefillRequest(batch=make_batch(702, [
-            make_request(703, "hello", 4, grammar="[0-9]+")]))), "request 703: a grammar was sent with GRAMMAR_TYPE_NONE"),
+            make_request(703, "hello", 4, grammar="[0-9]+")]))),
+         "request 703: a grammar was sent with GRAMMAR_TYPE_NONE"),
         (lambda s: s.Prefill(generate_pb2.PrefillRequest(batch=make_batch(704, [
             make_request(705, "hello", 4, grammar="(unclosed", grammar_type=generate_pb2.GRAMMAR_TYPE_REGEX)]))),
          "request 705: grammar is not valid: regex grammar does not compile"),
