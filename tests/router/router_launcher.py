@@ -62,7 +62,7 @@ def start_launcher(extra: list[str], name: str) -> Launcher:
     log_path = Path(tempfile.mkstemp(prefix=f"launcher-{name}-", suffix=".log")[1])
     exe = str(Path(sys.executable).parent / "text-generation-launcher")
     argv = [exe, "--port", str(port), "--shard-uds-path", uds, "--hostname", "127.0.0.1",
-            *SMALL_LIMITS, *extra]
+            "--prometheus-port", str(free_port()), *SMALL_LIMITS, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     with log_path.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
