@@ -84,8 +84,8 @@ def verified_step(runner: Runner, group: PlanGroup, states: list[RequestState], 
         positions = (mask.cumsum(1) - 1)[:, -1:]
         logits = runner.forward(ids, positions, mask, cache, skip_layers=group.draft_skip,
                                 bypass_biases=biases)[:, -1]  # [rows, vocab]
-        drafted = [draft_token(s.chooser.params, s.chooser.generator, logits[row], s.all_ids + p.token_ids, p)
-                   for row, (s, p) in enumerate(zip(states, proposals, strict=True))]
+        drafted = [draft_token(s.chooser.params, s.chooser.generator, logits[row], s.all_ids + p.token_ids, p,
+                               s.chooser) for row, (s, p) in enumerate(zip(states, proposals, strict=True))]
         ids = torch.tensor(drafted, dtype=torch.long)[:, None]
         mask = torch.cat([mask, torch.ones((rows, 1), dtype=torch.long)], 1)
     cache.crop(start)  # no draft hidden state stays in the cache
@@ -95,7 +95,7 @@ def verified_step(runner: Runner, group: PlanGroup, states: list[RequestState], 
     logits = runner.forward(verify_ids, positions, verify_mask, cache, last_only=False)  # [rows, k + 1, vocab]
     steps: dict[int, RowStep] = {}
     for row, (s, p) in enumerate(zip(states, proposals, strict=True)):
-        tokens, logprobs, kept = accept(s.chooser.params, s.chooser.generator, logits[row], s.all_ids, p)
+        tokens, logprobs, kept = accept(s.chooser.params, s.chooser.generator, logits[row], s.all_ids, p, s.chooser)
         steps[s.id] = RowStep(tokens, logprobs, logits[row, : len(tokens)], drafted=k, accepted=kept)
         verify_mask[row, start + 1 + kept:] = 0  # the rejected drafts of this row
     keep = start + 1 + max(step.accepted for step in steps.values())

@@ -20,6 +20,13 @@ a cycle of k drafts yields (1 - a^(k+1)) / (1 - a) tokens and costs k draft step
 verification over k + 1 tokens (`CostModel`, measured at warmup). The draft length is the k
 that maximises tokens per second; when even the best k is slower than plain decoding, the
 request stops drafting and continues as `off` ("auto-off").
+
+Grammar and watermark: with the request's chooser, drafts and verification positions go
+through the same processors as `off` (watermark, penalties, grammar mask, warpers). Each
+draft advances the grammar matcher, so the next draft is proposed under the grammar; before
+verification the matcher is rolled back over every draft and then advances over the tokens
+verification keeps, position by position, each position masked in the state its prefix
+leaves. The matcher ends exactly past the accepted tokens, and greedy output equals `off`'s.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling import SamplingParams, apply_penalties, apply_warpers
+from ..sampling import NextTokenChooser, SamplingParams, apply_penalties, apply_warpers
 from .runner.base import Runner
 
 MAX_DRAFT = 6  # the largest k; Info.speculate reports it
@@ -118,18 +125,25 @@ class Proposal:
 
     token_ids: list[int] = field(default_factory=list)
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # each [vocab] (sampling only)
+    grammar_steps: int = 0  # drafts the grammar matcher advanced over (none once it terminated)
 
 
-def target_logits(params: SamplingParams, logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
-    """Penalties and warpers applied to one position's logits, given the tokens before it."""
+def target_logits(params: SamplingParams, logits: torch.Tensor, prefix: list[int],
+                  chooser: NextTokenChooser | None = None) -> torch.Tensor:
+    """One position's logits through the request's processors, given the tokens before it:
+    the chooser's (watermark, penalties, grammar mask in the matcher's current state, warpers),
+    or, without a chooser, penalties and warpers."""
+    if chooser is not None:
+        return chooser.process(logits, torch.tensor(prefix, dtype=torch.long))
     out = apply_penalties(logits.clone(), params, torch.tensor(prefix, dtype=torch.long))
     return apply_warpers(out, params) if params.has_warpers else out
 
 
 def draft_token(params: SamplingParams, generator: torch.Generator | None, logits: torch.Tensor,
-                prefix: list[int], proposal: Proposal) -> int:
-    """Choose one draft token (greedy argmax, or a draw from the warped draft distribution)."""
-    warped = target_logits(params, logits, prefix)
+                prefix: list[int], proposal: Proposal, chooser: NextTokenChooser | None = None) -> int:
+    """Choose one draft token (greedy argmax, or a draw from the warped draft distribution);
+    with a chooser that has a grammar, the matcher advances over it (`accept` rolls it back)."""
+    warped = target_logits(params, logits, prefix, chooser)
     if generator is None:
         token = int(warped.argmax())
     else:
@@ -137,21 +151,30 @@ def draft_token(params: SamplingParams, generator: torch.Generator | None, logit
         token = int(torch.multinomial(probs, 1, generator=generator))
         proposal.draft_probs.append(probs)
     proposal.token_ids.append(token)
+    grammar = chooser.grammar if chooser is not None else None
+    if grammar is not None and not grammar.terminated:
+        grammar.accept(token)
+        proposal.grammar_steps += 1
     return token
 
 
 def accept(params: SamplingParams, generator: torch.Generator | None, verify_logits: torch.Tensor,
-           prefix: list[int], proposal: Proposal) -> tuple[list[int], list[float], int]:
+           prefix: list[int], proposal: Proposal,
+           chooser: NextTokenChooser | None = None) -> tuple[list[int], list[float], int]:
     """Accepted tokens (drafts then the full model's own), their logprobs, and the drafts kept.
 
     Args:
         verify_logits: `[k + 1, vocab]` full-model logits after the pending token and each draft.
         prefix: the request's tokens before the first draft.
+        chooser: the request's chooser; its grammar matcher (advanced over the drafts by
+            `draft_token`) is rolled back, then advanced over each accepted token.
     """
+    if chooser is not None and chooser.grammar is not None:
+        chooser.grammar.rollback(proposal.grammar_steps)
     tokens: list[int] = []
     logprobs: list[float] = []
     for j, draft in enumerate([*proposal.token_ids, None]):
-        logp = target_logits(params, verify_logits[j], prefix + tokens).log_softmax(-1)
+        logp = target_logits(params, verify_logits[j], prefix + tokens, chooser).log_softmax(-1)
         if generator is None:
             choice = int(logp.argmax())
         elif draft is not None:
@@ -167,6 +190,8 @@ def accept(params: SamplingParams, generator: torch.Generator | None, verify_log
             choice = int(torch.multinomial(logp.exp(), 1, generator=generator))
         tokens.append(choice)
         logprobs.append(float(logp[choice]))
+        if chooser is not None:
+            chooser.accept(choice)
         if draft is None or choice != draft:
             return tokens, logprobs, j
     raise AssertionError("the last position has no draft, so the loop always returns")
