@@ -67,8 +67,10 @@ def _chat(fields: str) -> bytes:
 ISSUE_CASES: list[tuple[str, bytes, int, str]] = [
     ("/generate", _generate('"seed":18446744073709551616'), 422, "parameters.seed"),
     ("/generate", _generate('"top_k":4294967296'), 422, "parameters.top_k"),
-    ("/generate", _generate('"grammar":{"type":"regex","value":"[0-9]+"}'), 422, "grammar is not supported"),
-    ("/generate", _generate('"watermark":true'), 422, "`watermark` is not supported"),
+    ("/generate", _generate('"grammar":{"type":"regex","value":"(unclosed"}'), 422,
+     "grammar is not valid: regex grammar does not compile"),  # refused by the shard, alone
+    ("/generate", _generate('"grammar":{"type":"json","value":{"properties":{"a":{"type":"nonsense"}}}}'), 422,
+     "grammar is not valid: 'nonsense' is not valid"),  # the JSON Schema meta-schema, in the router
     ("/generate", _generate('"temperature":NaN'), 422, "parameters.temperature"),
     ("/generate", _generate('"temperature":Infinity'), 422, "parameters.temperature"),
     ("/generate", _generate('"repetition_penalty":-Infinity'), 422, "parameters.repetition_penalty"),
@@ -85,7 +87,10 @@ ISSUE_CASES: list[tuple[str, bytes, int, str]] = [
     ("/v1/chat/completions", _chat('"top_logprobs":-1,"logprobs":true'), 422, "top_logprobs"),
     ("/v1/chat/completions", b'{"messages":[{"role":"user","content":[{"type":"text","text":5}]}]}', 422,
      "messages.0.content.0.text"),
-    ("/v1/chat/completions", _chat('"response_format":{"type":"regex","value":"a+"}'), 422, "grammar"),
+    ("/v1/chat/completions", _chat('"response_format":{"type":"json_schema","json_schema":{"name":"x"}}'), 422,
+     "missing field `schema`"),
+    ("/v1/chat/completions", _chat('"tools":[{"function":{"name":"f"}}],"tool_choice":"g"'), 422,
+     "Tool with name g not found"),
     ("/v1/completions", b'{"prompt":"Hi","max_tokens":-1}', 422, "max_tokens"),
     ("/v1/completions", b'{"prompt":"Hi","max_tokens":2,"stop":["a\\u0000b"]}', 200, "text_completion"),
     *[(route, _inputs_body(route, SURROGATE), 400, "lone surrogate") for route in ALL_BODY_ROUTES],
@@ -111,13 +116,18 @@ def test_issue_cases_fail_alone(isolation_server: Launcher, neighbour_solo: list
 
 
 def test_refused_requests_do_not_fail_the_valid_ones_prefilled_with_them(isolation_server: Launcher) -> None:
-    """Upstream-style batch: 7 valid requests arriving with a grammar and a watermark one."""
+    """Upstream-style batch (8 requests, the launcher's max_concurrent_requests): 6 valid ones (one
+    with a grammar, one watermarked) arriving with two whose regex the shard cannot compile: those
+    two fail alone."""
     valid = {"inputs": "Hello", "parameters": {"max_new_tokens": 3}}
-    bodies: list[bytes | dict[str, object]] = [valid] * 7 + [
-        _generate('"grammar":{"type":"regex","value":"a+"}'), _generate('"watermark":true')]
+    bodies: list[bytes | dict[str, object]] = [valid] * 4 + [
+        _generate('"grammar":{"type":"regex","value":"a+"}'), _generate('"watermark":true'),
+        _generate('"grammar":{"type":"regex","value":"(unclosed"}'),
+        _generate('"grammar":{"type":"regex","value":"[0-9"}')]
     with ThreadPoolExecutor(len(bodies)) as pool:
         answers = list(pool.map(lambda b: post(isolation_server.url, "/generate", b), bodies))
-    assert [a.status for a in answers] == [200] * 7 + [422, 422], [a.text for a in answers]
+    assert [a.status for a in answers] == [200] * 6 + [422, 422], [a.text for a in answers]
+    assert all("regex grammar does not compile" in a.text for a in answers[6:]), [a.text for a in answers[6:]]
 
 
 def _matrix_value_texts() -> list[tuple[str, str]]:
@@ -238,8 +248,6 @@ def test_the_batcher_fails_one_entry_alone(isolation_server: Launcher, neighbour
         _engine_request("Hello", 4, top_k=2**32),
         _engine_request("Hello", 4, stop_sequences=["\ud800"]),  # not encodable as UTF-8
         _engine_request("Hello", 4, adapter_id="\udfff"),
-        _engine_request("Hello", 4, truncate=10**6),  # refused by the shard
-        _engine_request("Hello", 4, watermark=True),
         _engine_request("Hello", 4, temperature=float("nan")),
     ]
     plan = [(0.0, neighbour), *((0.0, r) for r in bad), (0.5, neighbour), *((0.6, r) for r in bad)]
