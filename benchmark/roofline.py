@@ -26,11 +26,19 @@ from common import write_results
 
 
 def weight_bytes(runner: FastLlamaRunner) -> int:
-    """Bytes a decode step reads whole: every layer's tensors, the final norm and the lm_head
-    (of the embedding only one row per token is read: not counted)."""
-    tensors = [runner.lm_head, runner.final_norm]
-    tensors += [t for layer in runner.layers for t in (*layer.pre, *layer.post) if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes a decode step reads whole: every layer's weights (tensors, the kernels' projections,
+    bitsandbytes modules), the final norm and the lm_head (of the embedding only one row per
+    token is read: not counted)."""
+    total = sum(t.numel() * t.element_size() for t in (runner.lm_head, runner.final_norm))
+    for layer in runner.layers:
+        for part in (*layer.pre, *layer.post):
+            if isinstance(part, torch.Tensor):
+                total += part.numel() * part.element_size()
+            elif isinstance(part, tuple):  # bitsandbytes modules
+                total += sum(t.numel() * t.element_size() for m in part for t in (*m.parameters(), *m.buffers()))
+            elif part is not None:
+                total += part.nbytes
+    return total
 
 
 def read_seconds(buffer: torch.Tensor) -> float:

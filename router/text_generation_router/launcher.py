@@ -177,6 +177,8 @@ def shard_argv(args: LauncherArgs) -> list[str]:
         argv.append("--trust-remote-code")
     if a.quantize:
         argv += ["--quantize", a.quantize]
+    if a.speculate is not None:  # upstream's place in the argv, after --quantize
+        argv += ["--speculate", str(a.speculate)]
     if a.dtype:
         argv += ["--dtype", a.dtype]
     if a.revision:

@@ -12,7 +12,6 @@ DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 # Upstream flags that have no meaning on this backend, with what to do instead.
 REFUSED = {
-    "--speculate": "n-gram/Medusa speculation is not supported; use --layer-skip-mode verified",
     "--kv-cache-dtype": "fp8 KV caches are not supported on this backend",
     "--cuda-graphs": "CUDA graphs are not used by this backend",
     "--cuda-memory-fraction": "this backend does not reserve a CUDA memory fraction",
@@ -66,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         "awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bitsandbytes",
         "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8"])
     p.add_argument("--dtype", default=_env("DTYPE", None), choices=["float16", "bfloat16", "float32"])
+    # Upstream's n-gram speculation: up to N draft tokens per step (Medusa heads are not supported).
+    p.add_argument("--speculate", type=int, default=_env_int("SPECULATE", None))
     p.add_argument("--trust-remote-code", action="store_true", default=_env_flag("TRUST_REMOTE_CODE"))
     p.add_argument("--num-shard", type=int, default=_env_int("NUM_SHARD", None))
     p.add_argument("--sharded", default=_env("SHARDED", None), choices=["true", "false"])
@@ -133,6 +134,8 @@ class LauncherArgs:
             raise ValueError(
                 f"`max_input_tokens` ({max_input}) must be < `max_total_tokens` ({a.max_total_tokens})"
             )
+        if a.speculate is not None and a.speculate < 1:
+            raise ValueError(f"--speculate {a.speculate}: use a positive number of draft tokens per step")
         if a.validation_workers <= 0:
             raise ValueError("--validation-workers must be > 0")
         if a.watermark_gamma is not None and not 0.0 < a.watermark_gamma < 1.0:

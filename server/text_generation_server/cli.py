@@ -85,21 +85,26 @@ def download_weights_command(
 
 @app.command("build-kernels")
 def build_kernels_command() -> None:
-    """Compile the fast runner's CPU kernels into TGI_KERNEL_DIR now (else the first serve does).
+    """Compile every ISA variant of the fast runner's CPU kernels into TGI_KERNEL_DIR now.
 
-    Compiling needs a C++ compiler, not an AVX-512 CPU: an image built on one host runs on
-    another. Exits 1 when the compiler fails; serving then uses torch's ops.
+    Compiling runs none of what it compiles, so it needs a C++ compiler, not a particular CPU:
+    an image built on one host runs on another, which imports the variant its CPU can run.
+    That variant is then imported once here as a check. Exits 1 when the compiler is missing
+    or fails (serving would then use torch's ops).
     """
     from .models.runner import cpu_kernels
 
     try:
-        cpu_kernels.build()
+        folder = cpu_kernels.build()
+        choice = cpu_kernels.chosen()
+        if not isinstance(choice, str):
+            cpu_kernels.load_variant(choice.name)
     except Exception as error:
         print(f"cpu kernels: build failed: {error}", file=sys.stderr)
         raise typer.Exit(1) from error
-    reason = cpu_kernels.unavailable_reason()
-    print(f"cpu kernels: built in {cpu_kernels.build_dir()}"
-          + (f" (not used on this machine: {reason})" if reason else ""))
+    names = ", ".join(variant.name for variant in cpu_kernels.VARIANTS)
+    used = f"this machine uses {choice.name}" if not isinstance(choice, str) else f"none used here: {choice}"
+    print(f"cpu kernels: built {names} in {folder} ({used})")
 
 
 @app.command()
@@ -108,7 +113,8 @@ def serve(
     revision: Optional[str] = None,  # noqa: UP045
     sharded: bool = False,
     quantize: Optional[Quantization] = None,  # noqa: UP045
-    speculate: Optional[int] = None,  # noqa: UP045
+    speculate: Optional[int] = typer.Option(  # noqa: UP045
+        None, help="n-gram (prompt-lookup) speculation: up to N draft tokens per step, verified losslessly"),
     dtype: Optional[Dtype] = None,  # noqa: UP045
     kv_cache_dtype: Optional[KVCacheDtype] = None,  # noqa: UP045
     trust_remote_code: bool = False,
@@ -119,8 +125,9 @@ def serve(
     otlp_service_name: str = "text-generation-inference.server",
     max_input_tokens: Optional[int] = None,  # noqa: UP045
     runner: str = typer.Option("auto", help="auto | fast | transformers (force the fallback)"),
-    layer_skip_mode: str = typer.Option("off", help="default layer-skip mode: off | shadow | lossy"),
-    layer_skip_policy: Optional[str] = typer.Option(None, help="layer-skip policy JSON file"),  # noqa: UP045
+    layer_skip_mode: str = typer.Option("off", help="default layer-skip mode: off | shadow | lossy | verified"),
+    layer_skip_policy: Optional[str] = typer.Option(  # noqa: UP045
+        None, help="layer-skip policy JSON file, or auto: the shipped policy whose fingerprints match the model"),
     layer_skip_on_bad_policy: str = typer.Option("exit", help="exit | off: what a refused policy does"),
     layer_skip_shadow_rate: float = typer.Option(0.0, help="fraction of greedy lossy requests re-run as off"),
     layer_skip_shadow_window: int = typer.Option(20, help="comparisons in the consistency window"),
@@ -160,14 +167,13 @@ def _build(model_id: str, revision: str | None, sharded: bool, quantize: Quantiz
 
     if sharded:
         raise ValueError("--sharded: this CPU backend runs one shard; drop --sharded / --num-shard")
-    if speculate:
-        raise ValueError(f"--speculate {speculate}: n-gram/Medusa speculation is not supported; "
-                         f"use --layer-skip-mode verified for lossless self-speculation")
     if kv_cache_dtype is not None:
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype.value} is not supported on this backend")
     load = LoadConfig(quantize=quantize.value if quantize else None,
                       dtype=dtype.value if dtype else "float32", trust_remote_code=trust_remote_code)
-    model = get_model(model_id, revision, load, runner, layer_skip)
+    from .models.draft_control import SpeculateConfig
+
+    model = get_model(model_id, revision, load, runner, layer_skip, SpeculateConfig(speculate))
     limit = max_input_tokens or model.max_position_embeddings - 1
     torch.set_grad_enabled(False)
     config = ServeConfig(uds_path=uds_path, max_input_tokens=limit, dtype=str(load.torch_dtype),

@@ -29,7 +29,6 @@ from .cache import Cache
 from .env import ShardEnv
 from .models.batch import CausalLMBatch
 from .models.causal_lm import CausalLM, Generation, TokenInfo
-from .models.speculative import MAX_DRAFT
 from .pb import generate_pb2, generate_pb2_grpc
 from .sampling import ChoiceContext
 
@@ -121,12 +120,13 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         planner = self.model.planner
         return generate_pb2.InfoResponse(
             requires_padding=True, dtype=self.config.dtype, device_type=self.model.runner.device.type,
-            speculate=MAX_DRAFT if planner.policy_state == "loaded" else 0,
+            speculate=self.model.speculate,  # the most draft tokens a step verifies (upstream's meaning)
             support_chunking=False, use_prefix_caching=False,
             attention_impl=self.env.attention, block_size=self.env.block_size,
             runner=self.model.runner.name, quantize=self.config.quantize,
             layer_skip_mode=planner.mode, layer_skip_policy=planner.config.policy_path or "",
             layer_skip_policy_state=planner.policy_state, num_layers=self.model.runner.num_layers,
+            cpu_kernels=self.model.runner.cpu_kernels,
         )
 
     async def Health(self, request: generate_pb2.HealthRequest,

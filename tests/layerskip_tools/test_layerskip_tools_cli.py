@@ -196,8 +196,29 @@ def test_calibrate_writes_policy_with_heldout_evidence(work: dict[str, Path], fp
         pytest.fail("a written policy must meet the target on the held-out split (else it skips nothing)")
     aligned = load_policy(work["out"] / "policy.json", IdentityMap.from_model(model))
     assert dict(aligned.layer_map) == {i: i for i in range(30)}
-    cli("calibrate", DEFAULT_MODEL_ID, "--sweep-dir", str(work["out"]), "--out", str(work["root"] / "v.json"),
-        "--prompts", str(work["prompts"]), "--objective", "verified", expect=2)
+
+
+def test_calibrate_verified_writes_draft_rules_with_evidence(work: dict[str, Path], fp32: tuple[Any, Any]) -> None:
+    """--objective verified: acceptance per class x skip depth x head size, the cost model, a policy
+    whose rules carry draft settings and a ranked draft vocabulary, and the frontier plot."""
+    model, _ = fp32
+    out = work["root"] / "verified" / "policy.json"
+    cli("calibrate", DEFAULT_MODEL_ID, "--objective", "verified", "--prompts", str(work["prompts"]), "--out", str(out),
+        "--per-class", "1", "--new-tokens", "4", "--skip-depths", "2,4", "--vocab-sizes", "0,1024",
+        "--profile", str(work["out"] / "profile.csv"))
+    policy = read_policy(out)
+    evidence = json.loads(out.with_name("policy.evidence.json").read_text())
+    assert policy.objective == "verified" and policy.draft_vocab is not None
+    assert policy.default.draft.acceptance is not None and 0.0 <= policy.default.draft.acceptance <= 1.0
+    assert len(policy.draft_vocab.token_ids) >= policy.default.draft.vocab
+    classes = {p["category"] for p in PROMPTS if p.get("split", "calibration") == "calibration"}
+    table = evidence["acceptance_table"]
+    assert {r["class"] for r in table} == classes and len(table) == len(classes) * 2 * 2
+    assert all(0.0 <= r["acceptance"] <= 1.0 and r["speedup"] > 0 for r in table)
+    assert [len(s) for s in evidence["skip_sets"]] == [2, 4] and evidence["cost_model"]["step_ms"] > 0
+    assert out.with_name("policy.frontier.png").stat().st_size > 1000
+    aligned = load_policy(out, IdentityMap.from_model(model))
+    assert aligned.table.default.skip == frozenset(evidence["default"]["skip"])
 
 
 def test_verify_table_and_exit_code(work: dict[str, Path], fp32: tuple[Any, Any]) -> None:
@@ -232,7 +253,7 @@ def test_consistency_suite_int8_nf4(work: dict[str, Path]) -> None:
     out = work["root"] / "consistency"
     cli("consistency", DEFAULT_MODEL_ID, "--prompts", str(work["prompts"]), "--candidates", "int8,nf4",
         "--policy", str(work["root"] / "lossy.json"), "--split", "all", "--max-prompts", "2",
-        "--new-tokens", str(NEW_TOKENS), "--out", str(out))
+        "--new-tokens", str(NEW_TOKENS), "--out", str(out), "--reference", "float32")
     result = json.loads((out / "consistency.json").read_text())
     names = [r["variant"] for r in result["variants"]]
     assert names == ["float32+policy", "int8", "int8+policy", "nf4", "nf4+policy"]
@@ -242,12 +263,25 @@ def test_consistency_suite_int8_nf4(work: dict[str, Path]) -> None:
         assert 0.0 <= row["exact_match"] <= 1.0 and 0.0 <= row["tf_agreement"] <= 1.0
         assert row["mean_kl"] >= 0.0 and row["ppl"] > 0.0
         assert row["num_diverged"] == round((1.0 - row["exact_match"]) * 2)
+        assert row["decode_tokens_per_s"] > 0.0 and row["speed_vs_reference"] == pytest.approx(
+            row["decode_tokens_per_s"] / result["reference_tokens_per_s"])
         if row["policy"] is not None:  # the policy aligns to every quantization, through fingerprints
             assert row["policy_aligned"] and row["policy_layer_map"] == {str(i): i for i in range(30)}
             assert row["mean_layers_skipped"] == 6.0
         else:
             assert row["mean_layers_skipped"] == 0.0
     markdown = (out / "consistency.md").read_text()
+    assert "decode_tokens_per_s" in markdown and "speed_vs_reference" in markdown
     assert "| variant |" in markdown and "| layer |" in markdown and markdown.count("\n| ") >= 35
     for name in ("consistency_metrics.png", "consistency_alignment.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_consistency_reference_is_a_float_precision(work: dict[str, Path]) -> None:
+    """--reference takes float16 | bfloat16 | float32; the default is float16 where fp16 runs."""
+    from text_generation_server.layerskip_cli import consistency
+
+    assert consistency.default_reference() == ("float16" if consistency.fp16_runs() else "float32")
+    output = cli("consistency", DEFAULT_MODEL_ID, "--prompts", str(work["prompts"]), "--reference", "nf4",
+                 "--out", str(work["root"] / "refused"), expect=2)
+    assert "--reference nf4: use one of float16, bfloat16, float32" in output

@@ -1,4 +1,7 @@
-"""The compiled CPU kernels (runner/cpu_kernels.cpp) against float64 references and torch.
+"""The compiled CPU kernels (runner/cpu_kernels.cpp, kernels/) against float64 references and torch.
+
+Every kernel test runs once per ISA variant the CPU can run (the `ops` fixture): an AVX-512 CI
+machine checks its own variants and the AVX2 one; a variant the CPU lacks is skipped, saying so.
 
 Tolerances: fp32 outputs within 1e-5 relative to the output scale (fp32 accumulation of at
 most 1536 products); bf16 outputs within 2**-7 relative, one bf16 rounding of the output
@@ -23,10 +26,16 @@ needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"kernel unavailabl
 SHAPES = [(1, 1), (3, 33), (4, 32), (5, 575), (577, 576), (64, 1536)]  # (n, k): tails of rows and of k
 
 
-@pytest.fixture(scope="module")
-def ops() -> cpu_kernels.CpuOps:
-    loaded = cpu_kernels.load()
-    assert loaded is not None, "the kernels did not build: see the warning in the log"
+@pytest.fixture(scope="module", params=[variant.name for variant in cpu_kernels.VARIANTS])
+def ops(request: pytest.FixtureRequest) -> cpu_kernels.CpuOps:
+    variant = cpu_kernels.BY_NAME[request.param]
+    if REASON is not None:
+        pytest.skip(f"kernels unavailable here: {REASON}")
+    if variant not in cpu_kernels.runnable_variants():
+        missing = sorted(set(variant.cpu_flags) - cpu_kernels.cpu_flags())
+        pytest.skip(f"the {variant.name} variant needs {', '.join(missing)}, which this CPU lacks")
+    loaded = cpu_kernels.load_variant(variant.name)
+    assert loaded.variant == variant.name
     return loaded
 
 
@@ -114,6 +123,51 @@ def test_decode_attention_matches_sdpa_on_cache_views(ops: cpu_kernels.CpuOps, d
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_and_rope_match_torch(ops: cpu_kernels.CpuOps, dtype: torch.dtype) -> None:
+    """silu's exp is vectorized (within 2 ulp of expf); gates out to +-120 cover its clamping."""
+    generator = torch.Generator().manual_seed(4)
+    for inner in (1, 37, 1536):
+        gate_up = (torch.randn(3, 2 * inner, generator=generator) * 6).to(dtype)
+        gate_up[0, :inner:3] *= 20
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        expected = torch.nn.functional.silu(gate) * up
+        error = _relative_error(ops.silu_mul(gate_up), expected)
+        assert error <= (1e-6 if dtype == torch.float32 else 2**-7), f"silu_mul {inner} {dtype}: error {error}"
+    x = torch.randn(2, 3, 5, 64, generator=generator).to(dtype)  # [rows, new, heads, dim]
+    cos, sin = torch.randn(2, 3, 1, 64, generator=generator).to(dtype), torch.randn(2, 3, 1, 64).to(dtype)
+    expected = x.double() * cos.double() + x.double().roll(32, dims=-1) * sin.double()
+    error = _relative_error(ops.rope(x, cos, sin), expected)
+    assert error <= (1e-6 if dtype == torch.float32 else 2**-7), f"rope {dtype}: error {error}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_of_several_new_tokens_is_causal_over_cache_and_new(ops: cpu_kernels.CpuOps,
+                                                                     dtype: torch.dtype) -> None:
+    """Draft verification: 5 new tokens per row after 30 cached columns, a causal mask among them."""
+    generator = torch.Generator().manual_seed(3)
+    rows, new, heads, kv_heads, dim, cached, capacity = 2, 5, 6, 2, 64, 30, 64
+    total = cached + new
+    keys = torch.randn(rows, kv_heads, capacity, dim, generator=generator).to(dtype)[:, :, :total]
+    values = torch.randn(rows, kv_heads, capacity, dim, generator=generator).to(dtype)[:, :, :total]
+    qkv = torch.randn(rows, new, heads + 2 * kv_heads, dim, generator=generator).to(dtype)
+    q = qkv[:, :, :heads]
+    allowed = torch.arange(total)[None, :] <= torch.arange(cached, total)[:, None]  # [new, total]
+    allowed = allowed[None].repeat(rows, 1, 1)
+    allowed[1, :, :7] = False  # row 1 is left-padded
+    mask = torch.zeros(rows, 1, new, total, dtype=dtype).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    out = ops.decode_attention(q, keys, values, mask, dim**-0.5)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(1, 2), keys.double(), values.double(), attn_mask=mask.double(), scale=dim**-0.5,
+        enable_gqa=True).transpose(1, 2).reshape(rows, new, heads * dim)
+    error = _relative_error(out, expected)
+    assert error <= (1e-6 if dtype == torch.float32 else 2**-7), f"{dtype}: relative error {error}"
+    with pytest.raises(RuntimeError, match="mask must be a contiguous"):
+        ops.decode_attention(q, keys, values, mask[:, :, :1], dim**-0.5)
+
+
+@needs_kernel
 def test_runs_on_torchs_openmp_runtime(ops: cpu_kernels.CpuOps) -> None:
     """A second libgomp would bring a second thread team spinning on the same cores."""
     ops.small_m_linear(torch.randn(1, 64), torch.randn(256, 64), None)
@@ -138,6 +192,8 @@ def test_switch_off_and_bad_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "fast")
     with pytest.raises(ValueError, match="TGI_CPU_KERNELS='fast' is not one of auto, off"):
         cpu_kernels.unavailable_reason()
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "off")
+    assert cpu_kernels.load() is None
 
 
 def test_build_folder_changes_with_the_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -166,8 +222,9 @@ def test_without_a_compiler_the_runner_falls_back_loudly(tmp_path: Path) -> None
 
 
 @needs_kernel
-def test_a_prebuilt_folder_loads_without_a_compiler(ops: cpu_kernels.CpuOps, tmp_path: Path) -> None:
+def test_a_prebuilt_folder_loads_without_a_compiler(tmp_path: Path) -> None:
     """The image's case: kernels compiled at build time into TGI_KERNEL_DIR, no g++ at run time."""
+    assert cpu_kernels.load() is not None
     built = cpu_kernels.build_dir()
     shutil.copytree(built, tmp_path / built.name)
     result = _load_in_subprocess({cpu_kernels.ENV_DIR: str(tmp_path), "CXX": str(tmp_path / "no-c++")})

@@ -3,25 +3,34 @@
 Tolerances (max abs difference of logits, against TransformersRunner on the same weights):
 - float32: 1e-4 on prefill and on every one of 64 decode steps; greedy tokens identical.
 - bfloat16 (the fast runner's weights cast to bf16) against the float32 reference: logits
-  within BF16_TOLERANCE = 1.0 and the greedy token identical on at least 95% of
-  teacher-forced positions on prefill (torch's products). On 32 teacher-forced decode steps
+  within BF16_TOLERANCE = 1.0 on prefill (torch's products), and a greedy token changed only
+  where fp32's top-2 margin is under BF16_NEAR_TIE = 0.5 (measured: 1-2 of 25 positions flip,
+  at margins 0.20 and 0.11). On 32 teacher-forced decode steps
   (the AVX-512 kernel's products where the CPU has it) the bf16 cache drifts further: logits
-  within BF16_DECODE_TOLERANCE = 2.0, same 95% agreement. Measured: 1.08 with the kernel,
+  within BF16_DECODE_TOLERANCE = 2.0, greedy agreement >= 95%. Measured: 1.08 with the kernel,
   1.59 with torch's bf16 products (which round activations the same way but accumulate
   differently), agreement 0.99. For scale: on these prompts transformers' own bf16 model differs
   from its fp32 model by 1.30, the fast runner in bf16 by 0.67 (it normalizes in fp32-accurate
   fused RMSNorm and keeps the embedding scale exact).
-- bitsandbytes nf4: both runners call the same `Linear4bit` modules; the rest is fp32 math,
-  so logits stay within NF4_TOLERANCE (measured: 0.0, fp4 too).
-- bitsandbytes int8: same modules, compared on an unpadded prompt (measured: 0.0). With left
-  padding, LLM.int8()'s outlier columns are chosen over every row of the batch, padding rows
-  included, and the two runners fill padding rows differently: there int8 logits of real
-  tokens differed by up to 2.7 (82% greedy agreement). That is a property of int8 batching,
-  which transformers alone shows too when the batch composition changes.
+- bitsandbytes nf4 (the CPU kernels read the packed codes and absmax blocks as they are):
+  against bitsandbytes' definition, the same model with every Linear4bit replaced by its
+  dequantize_4bit weights in fp32 (bitsandbytes' own CPU path on this machine; on AVX-512 BF16
+  CPUs bitsandbytes itself computes nf4 in bf16, so its modules are not the reference there):
+  within NF4_TOLERANCE (measured 5.7e-5 with the kernels; bitsandbytes' own modules: 0.0).
+- bitsandbytes int8 (LLM.int8(), threshold 6): its outlier columns are chosen over every row
+  of a forward, so bitsandbytes gives different logits for the same prompt run at once and
+  token by token (measured 1.84 and 2.33 on two prompts): a discontinuity that turns any
+  last-bit difference upstream of a projection into a jump. So: decode steps (one token per
+  forward, no batch effect) within NF4_TOLERANCE of bitsandbytes' own modules (measured
+  2.2e-5..2.8e-5); a whole-prompt forward within the noise bitsandbytes shows between its own
+  two ways of running that prompt (measured 0.51 against 1.84-2.33), greedy tokens equal.
+  With left padding, padding rows take part in the outlier choice too (82% agreement seen
+  before the kernels): a property of int8 batching that transformers alone shows as well.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -42,7 +51,9 @@ from .batching import Stream, real_positions
 FP32_TOLERANCE = 1e-4
 BF16_TOLERANCE = 1.0
 BF16_DECODE_TOLERANCE = 2.0
+BF16_NEAR_TIE = 0.5
 NF4_TOLERANCE = 1e-3
+INT8_HEAD_TOLERANCE = 1.0
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "List three colors:"]
 
@@ -94,6 +105,50 @@ def test_decode_beyond_the_kernels_row_limit(model: PreTrainedModel, prompts: li
         fast_step, ref_step = fast_stream.step(next_ids), ref_stream.step(next_ids)
         diff = (fast_step - ref_step).abs().max()
         assert diff <= FP32_TOLERANCE, f"decode step {step} of {len(many)} rows: logits differ by {diff}"
+        next_ids = ref_step.argmax(-1)
+
+
+def _verify(stream: Stream, drafts: torch.Tensor) -> torch.Tensor:
+    """One forward of `drafts` `[rows, k]` after the stream's cache (draft verification): logits
+    of every new position `[rows, k, vocab]`."""
+    rows, k = drafts.shape
+    stream.mask = torch.cat([stream.mask, torch.ones((rows, k), dtype=torch.long)], dim=1)
+    positions = stream.mask.sum(-1, keepdim=True) - k + torch.arange(k)[None]
+    return stream.runner.forward(drafts, positions, stream.mask, stream.cache, last_only=False)
+
+
+@pytest.mark.parametrize(("rows", "k"), [(1, 2), (1, 7), (2, 8), (4, 4), (3, 6)])
+def test_multi_token_forwards_match_transformers(model: PreTrainedModel, prompts: list[list[int]], rows: int,
+                                                 k: int) -> None:
+    """Verification of k drafts: rows x k <= 16 runs decode_layer (one weight stream for all k
+    tokens, exact causal attention over cache + drafts); (3, 6) = 18 rows runs torch's ops.
+    Drafts are tokens the model itself would pick (measured max abs 5.8e-5; random token ids,
+    far from any real draft, reached 1.08e-4 at 7 new tokens)."""
+    fast_stream, _ = Stream.prefill(build_runner(model, "fast"), prompts[:rows])
+    ref_stream, ref_logits = Stream.prefill(TransformersRunner(model), prompts[:rows])
+    drafts = ref_logits[:, -1:].argmax(-1).repeat(1, k)  # a draft the model could make
+    for _ in range(2):  # twice: the second forward attends to the first one's cached drafts
+        fast_logits, ref_logits = _verify(fast_stream, drafts), _verify(ref_stream, drafts)
+        diff = (fast_logits - ref_logits).abs().max()
+        assert diff <= FP32_TOLERANCE, f"{rows} rows x {k} new tokens: logits differ by {diff}"
+        drafts = ref_logits.argmax(-1)  # the model's own next tokens: accepted drafts
+
+
+def test_forced_avx2_variant_matches_transformers(model: PreTrainedModel, prompts: list[list[int]],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """TGI_CPU_KERNELS=avx2 runs the AVX2 variant on any CPU that has it (AVX-512 ones too)."""
+    if cpu_kernels.BY_NAME["avx2"] not in cpu_kernels.runnable_variants():
+        pytest.skip(f"this CPU cannot run the avx2 variant ({cpu_kernels.unavailable_reason()})")
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "avx2")
+    fast = FastLlamaRunner(model)
+    assert fast.cpu_kernels == "avx2"
+    fast_stream, _ = Stream.prefill(fast, prompts)
+    ref_stream, ref_logits = Stream.prefill(TransformersRunner(model), prompts)
+    next_ids = ref_logits[:, -1].argmax(-1)
+    for step in range(8):
+        fast_step, ref_step = fast_stream.step(next_ids), ref_stream.step(next_ids)
+        diff = (fast_step - ref_step).abs().max()
+        assert diff <= FP32_TOLERANCE, f"avx2 decode step {step}: logits differ by {diff}"
         next_ids = ref_step.argmax(-1)
 
 
@@ -160,9 +215,12 @@ def test_bf16_within_tolerance(model: PreTrainedModel, prompts: list[list[int]])
     fast = FastLlamaRunner(model, FastRunnerConfig(dtype=torch.bfloat16))
     fast_logits, ref_logits = _teacher_forced(fast, prompts), _teacher_forced(TransformersRunner(model), prompts)
     diff = (fast_logits - ref_logits).abs().max()
-    agree = (fast_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()
     assert diff <= BF16_TOLERANCE, f"bf16 logits differ from fp32 by {diff}"
-    assert agree >= 0.95, f"bf16 greedy agreement with fp32 {agree:.2f}"
+    # A greedy token may change only where fp32's top two are a near-tie (25 positions; measured:
+    # 1 or 2 flips, at margins 0.20 and 0.11, where the largest margin is 4.1).
+    top = torch.topk(ref_logits, 2, dim=-1).values
+    margins = (top[..., 0] - top[..., 1])[fast_logits.argmax(-1) != ref_logits.argmax(-1)]
+    assert (margins <= BF16_NEAR_TIE).all(), f"bf16 changed greedy tokens at fp32 margins {margins.tolist()}"
 
 
 def test_bf16_decode_steps_within_tolerance(model: PreTrainedModel, prompts: list[list[int]]) -> None:
@@ -180,17 +238,61 @@ def test_bf16_decode_steps_within_tolerance(model: PreTrainedModel, prompts: lis
     assert sum(agree) / len(agree) >= 0.95, f"bf16 decode greedy agreement with fp32 {sum(agree) / len(agree):.2f}"
 
 
-def test_nf4_within_tolerance(model_path: Path, prompts: list[list[int]]) -> None:
+def test_int8_head_within_tolerance(model: PreTrainedModel, prompts: list[list[int]]) -> None:
+    """FastRunnerConfig(int8_head=True): the lm_head as weight-only int8 in blocks of 64 (an
+    opt-in speed/accuracy trade). Against fp32: measured max abs 0.40 on logits up to 36, top-1
+    agreement 1.00, mean KL 5e-4; bound INT8_HEAD_TOLERANCE, agreement >= 95%."""
+    if cpu_kernels.unavailable_reason() is not None:
+        pytest.skip(f"the int8 head runs on the CPU kernels: {cpu_kernels.unavailable_reason()}")
+    fast = FastLlamaRunner(model, FastRunnerConfig(int8_head=True))
+    assert fast.head_projection is not None
+    fast_logits, ref_logits = _teacher_forced(fast, prompts), _teacher_forced(TransformersRunner(model), prompts)
+    diff = (fast_logits - ref_logits).abs().max()
+    agree = (fast_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()
+    assert diff <= INT8_HEAD_TOLERANCE, f"int8-head logits differ from fp32 by {diff}"
+    assert agree >= 0.95, f"int8-head greedy agreement with fp32 {agree:.2f}"
+
+
+def _dequantized_reference(model: PreTrainedModel, quantized: PreTrainedModel) -> PreTrainedModel:
+    """A copy of the fp32 model whose linears hold the 4-bit model's weights as bitsandbytes
+    dequantizes them (its dequantize-then-matmul reference path, on any CPU)."""
+    import bitsandbytes.functional as bnb_functional
+
+    reference = copy.deepcopy(model)
+    dense = dict(reference.named_modules())
+    for name, module in quantized.named_modules():
+        if type(module).__name__ == "Linear4bit":
+            weight = bnb_functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+            dense[name].weight.data = weight.float().reshape(dense[name].weight.shape)
+    return reference
+
+
+def test_nf4_within_tolerance(model: PreTrainedModel, model_path: Path, prompts: list[list[int]]) -> None:
     pytest.importorskip("bitsandbytes")
     nf4 = load_model(model_path, LoadConfig(quantize="bitsandbytes-nf4"))
-    fast, ref = build_runner(nf4, "fast"), TransformersRunner(nf4)
+    fast = build_runner(nf4, "fast")  # reads the codes before any bitsandbytes forward could repack them
+    ref = TransformersRunner(_dequantized_reference(model, nf4))
     diff = (_teacher_forced(fast, prompts) - _teacher_forced(ref, prompts)).abs().max()  # type: ignore[arg-type]
     assert diff <= NF4_TOLERANCE, f"nf4 logits differ by {diff}"
 
 
-def test_int8_unpadded_matches(model_path: Path, prompts: list[list[int]]) -> None:
+def _token_by_token(runner: FastLlamaRunner | TransformersRunner, prompt: list[int]) -> torch.Tensor:
+    """Logits of every position of `prompt`, one forward per token: `[len(prompt), vocab]`."""
+    stream, first = Stream.prefill(runner, [prompt[:1]])
+    return torch.stack([first[0, -1], *(stream.step(torch.tensor([token]))[0] for token in prompt[1:])])
+
+
+@pytest.mark.filterwarnings("ignore:MatMul8bitLt")
+def test_int8_within_bitsandbytes_own_noise(model_path: Path, prompts: list[list[int]]) -> None:
     pytest.importorskip("bitsandbytes")
     int8 = load_model(model_path, LoadConfig(quantize="bitsandbytes"))
     fast, ref = build_runner(int8, "fast"), TransformersRunner(int8)
-    diff = (_teacher_forced(fast, prompts[:1]) - _teacher_forced(ref, prompts[:1])).abs().max()  # type: ignore[arg-type]
-    assert diff <= NF4_TOLERANCE, f"int8 logits differ by {diff}"
+    for prompt in prompts[:2]:
+        ref_steps = _token_by_token(ref, prompt)  # type: ignore[arg-type]
+        diff = (_token_by_token(fast, prompt) - ref_steps).abs().max()  # type: ignore[arg-type]
+        assert diff <= NF4_TOLERANCE, f"int8 decode-step logits differ by {diff}"
+        fast_all, ref_all = _teacher_forced(fast, [prompt]), _teacher_forced(ref, [prompt])  # type: ignore[arg-type]
+        noise = (ref_all - ref_steps).abs().max()  # bitsandbytes against itself
+        diff = (fast_all - ref_all).abs().max()
+        assert diff <= noise, f"int8 prompt logits differ by {diff}, more than bitsandbytes' own {noise}"
+        assert torch.equal(fast_all.argmax(-1), ref_all.argmax(-1)), "int8 greedy tokens differ"

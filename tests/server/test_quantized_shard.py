@@ -42,7 +42,7 @@ def _server(*args: str) -> subprocess.CompletedProcess[str]:
     [
         (["--quantize", "gptq"], "--quantize gptq is an upstream TGI value that this CPU backend does not support"),
         (["--sharded"], "--sharded: this CPU backend runs one shard"),
-        (["--speculate", "2"], "--speculate 2"),
+        (["--speculate", "0"], "--speculate 0: use 1..16 draft tokens per step"),
         (["--runner", "warp"], "--runner warp is not a known runner; use one of auto, fast, transformers"),
     ],
 )

@@ -58,12 +58,12 @@ def test_greedy_acceptance_keeps_the_agreeing_prefix_and_adds_the_full_model_tok
 
 
 def test_cost_model_prefers_long_drafts_only_when_acceptance_is_high() -> None:
-    cost = CostModel(step_s=0.030, verify_s=(0.030, 0.033, 0.036, 0.039, 0.042, 0.045, 0.048), layer_s=0.001)
+    cost = CostModel.flat(step_s=0.030, verify_s=(0.030, 0.033, 0.036, 0.039, 0.042, 0.045, 0.048), layer_s=0.001)
     k_high, speed_high = cost.best_k(0.95, 20)
     k_low, speed_low = cost.best_k(0.2, 20)
     assert k_high > k_low and speed_high > 1.0 > speed_low
-    assert cost.draft_s(20) == pytest.approx(0.010)
+    assert cost.draft_s(1, frozenset(range(20)), 0) == pytest.approx(0.010)
     state = SpecState()
-    state.record(drafted=4, accepted=4)
-    state.record(drafted=4, accepted=1)
+    state.model.record(drafted=4, accepted=4)
+    state.model.record(drafted=4, accepted=1)
     assert state.acceptance == (5 + 1) / (5 + 1 + 2)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_layer_skip_shard import make_lm, run
 
+from text_generation_server.layerskip import DraftSettings
 from text_generation_server.models.batch import CausalLMBatch
 from text_generation_server.models.causal_lm import CausalLM
 from text_generation_server.models.loading import LoadConfig, load_model
@@ -193,15 +194,35 @@ def test_cache_holds_exactly_the_accepted_tokens(fp32: Pair) -> None:
             torch.testing.assert_close(keys[row][:, columns], ref_keys[0], atol=1e-4, rtol=1e-4)
 
 
-def test_auto_off_moves_slow_requests_to_plain_decoding(fp32: Pair) -> None:
-    """With a cost model where a draft costs a full step, drafting never pays: after the minimum
-    number of cycles each verified request moves to the plain group, and its output is unchanged."""
+def test_no_drafting_when_the_cost_model_says_it_cannot_pay(fp32: Pair) -> None:
+    """A draft that costs a full step never pays: verified requests decode plainly from the start
+    (the cost model decides before any cycle), and their output is unchanged."""
     lm = make_lm(fp32.model_path, fp32.model, "verified", fp32.policy)  # auto_off on (the default)
-    lm.cost_model = CostModel(step_s=1.0, verify_s=(1.0,) * (MAX_DRAFT + 1), layer_s=0.0)
+    lm.cost_model = CostModel.flat(step_s=1.0, verify_s=(1.0,) * (MAX_DRAFT + 1), layer_s=0.0)
     ids = [i for i, (name, _) in enumerate(ALL) if name == "chat"][:2]
-    requests = [make_request(i, fp32.prompts[i], NEW_TOKENS) for i in ids]
-    tokens, _, batch, reports = run(lm, requests)
+    tokens, _, _, reports = run(lm, [make_request(i, fp32.prompts[i], NEW_TOKENS) for i in ids])
     for i in ids:
         stats = reports[i].stats  # type: ignore[attr-defined]
-        assert stats["auto_off"] == 1.0 and stats["cycles"] == MIN_CYCLES_BEFORE_AUTO_OFF
+        # n-gram copies cost nothing to draft, and verification here is priced at one step, so
+        # they may run; the layer-skipping draft model never does.
+        assert stats["model_drafted"] == 0, stats
+        assert tokens[i] == fp32.expected[i]
+
+
+def test_drafting_that_does_not_pay_stops(fp32: Pair, tmp_path: Path) -> None:
+    """A policy that promises acceptance 0.99 on a model that delivers ~0.5: drafting starts (the
+    prior says it pays); each cycle is planned from the request's own acceptance, so after the
+    first rejections the cost model moves it to plain decoding (measured: one cycle of 4 drafts,
+    then plain steps); its output is unchanged."""
+    policy = write_policy(fp32.model, tmp_path / "optimistic.json", SIX_LAYERS, draft=DraftSettings(0, 0.99))
+    lm = make_lm(fp32.model_path, fp32.model, "verified", policy)
+    lm.controller.ngram = False  # model drafts only: copied drafts would take most cycles
+    # a draft costs 0.9 steps and verification one step: drafting pays only above acceptance 0.9
+    lm.cost_model = CostModel.flat(step_s=1.0, verify_s=(1.0,) * (MAX_DRAFT + 1), layer_s=0.1 / len(SIX_LAYERS))
+    ids = [i for i, (name, _) in enumerate(ALL) if name == "chat"][:2]
+    tokens, _, _, reports = run(lm, [make_request(i, fp32.prompts[i], NEW_TOKENS) for i in ids])
+    for i in ids:
+        stats = reports[i].stats  # type: ignore[attr-defined]
+        assert 1 <= stats["cycles"] <= MIN_CYCLES_BEFORE_AUTO_OFF, stats
+        assert stats["model_accepted"] / stats["model_drafted"] < 0.9
         assert tokens[i] == fp32.expected[i]

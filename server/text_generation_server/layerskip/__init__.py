@@ -7,6 +7,7 @@ and, for bitsandbytes weights, bitsandbytes), so it also applies to other engine
 from .bypass import bypassed
 from .decider import Condition, Rule, RuleTable
 from .detector import FEATURES, DetectorConfig, DetectorScores, detect, detect_batch
+from .draft import DraftSettings, DraftVocab
 from .fingerprint import FingerprintConfig, distance
 from .identity import DecoderLayers, IdentityMap, LayerIdentity, align, find_decoder_layers
 from .plan import MODES, SkipPlan
@@ -25,7 +26,8 @@ from .scheduler import ConsistencyReport, Scheduler
 
 __all__ = [
     "FEATURES", "MODES", "AlignedPolicy", "Calibration", "Condition", "ConsistencyReport",
-    "DecoderLayers", "DetectorConfig", "DetectorScores", "FingerprintConfig", "IdentityMap",
+    "DecoderLayers", "DetectorConfig", "DetectorScores", "DraftSettings", "DraftVocab", "FingerprintConfig",
+    "IdentityMap",
     "LayerIdentity", "LayerRef", "Policy", "PolicyRule", "Rule", "RuleTable", "Scheduler",
     "SkipPlan", "align", "align_policy", "bypassed", "detect", "detect_batch", "distance",
     "find_decoder_layers", "load_policy", "read_policy", "save_policy",

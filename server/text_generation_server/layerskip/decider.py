@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .detector import FEATURES, DetectorScores
+from .draft import DraftSettings
 from .plan import SkipPlan, check_mode
 
 OPS: dict[str, Callable[[float, float], bool]] = {
@@ -48,11 +49,13 @@ class Condition:
 
 @dataclass(frozen=True)
 class Rule:
-    """When all `conditions` hold, bypass `skip` (layer indices of the loaded model)."""
+    """When all `conditions` hold, bypass `skip` (layer indices of the loaded model); in verified
+    mode, draft with `draft`'s settings."""
 
     name: str
     conditions: tuple[Condition, ...] = ()
     skip: frozenset[int] = frozenset()
+    draft: DraftSettings = DraftSettings()
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -114,7 +117,7 @@ class RuleTable:
         features = scores.as_dict()
         rule = next((r for r in self.rules if r.matches(features)), self.default)
         return SkipPlan(mode=mode, skipped=rule.skip, rule=rule.name, scores=features,
-                        allow_protected=self.allow_protected)
+                        allow_protected=self.allow_protected, draft=rule.draft)
 
 
 def rules_from_json(items: Sequence[Mapping[str, Any]],
@@ -124,5 +127,6 @@ def rules_from_json(items: Sequence[Mapping[str, Any]],
     for item in items:
         name = str(item["name"])
         conditions = tuple(Condition.from_json(c) for c in item.get("when", []))
-        rules.append(Rule(name, conditions, resolve(name, item.get("skip", []))))
+        draft = DraftSettings.from_json(item["draft"]) if "draft" in item else DraftSettings()
+        rules.append(Rule(name, conditions, resolve(name, item.get("skip", [])), draft))
     return tuple(rules)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .draft import DraftSettings
+
 MODES = ("off", "shadow", "lossy", "verified")
 # Modes in which the plan's layers are bypassed in the (draft) forward.
 APPLYING_MODES = ("lossy", "verified")
@@ -31,6 +33,8 @@ class SkipPlan:
         rule: name of the rule that fired ("" when no decider ran).
         scores: the detector scores and features the rule saw.
         allow_protected: whether layer 0 and the last layer may be in `skipped`.
+        draft: verified mode's draft settings of the rule that fired (reduced head size and
+            calibrated acceptance); the default drafts with the full head.
     """
 
     mode: str = "off"
@@ -38,6 +42,7 @@ class SkipPlan:
     rule: str = ""
     scores: Mapping[str, float] = field(default_factory=dict)
     allow_protected: bool = False
+    draft: DraftSettings = field(default_factory=DraftSettings)
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -84,5 +89,8 @@ class SkipPlan:
 
     def to_json(self) -> dict[str, object]:
         """The reporting form (`details.layer_skip`)."""
-        return {"mode": self.mode, "skipped_layers": sorted(self.skipped), "rule": self.rule,
-                "scores": dict(self.scores)}
+        out: dict[str, object] = {"mode": self.mode, "skipped_layers": sorted(self.skipped), "rule": self.rule,
+                                  "scores": dict(self.scores)}
+        if not self.draft.is_default:
+            out["draft"] = self.draft.to_json()
+        return out

@@ -11,10 +11,13 @@ File layout (schema_version 1):
      "detector": {"window": 4, "gradient_weight": 0.5, "max_tokens": 2048},
      "allow_protected": false, "bypass": "strict" | "graceful", "sidecar": null | "x.safetensors",
      "rules": [{"name": "calm", "when": [{"feature": "max_score", "op": "<", "value": 0.9}],
-                "skip": [{"index": 12, "fingerprint": "simhash1-...:..."}]}],
+                "skip": [{"index": 12, "fingerprint": "simhash1-...:..."}],
+                "draft": {"vocab": 16384, "acceptance": 0.82}}],      (draft: optional, verified)
      "default": {"name": "default", "skip": []},
      "calibration": {"dataset": ..., "dataset_sha256": ..., "consistency": 0.93,
-                     "skip_rate": 0.2, "date": "2026-11-29"} | null}
+                     "skip_rate": 0.2, "date": "2026-11-29"} | null,
+     "objective": "lossy" | "verified",                               (optional, default lossy)
+     "draft_vocab": {"source": ..., "token_ids": [ranked ids]} | null}  (optional, see draft.py)
 The optional safetensors sidecar holds graceful-bypass biases: tensor "layer.<index>" is the
 mean residual update [hidden] of the policy model's layer <index>.
 """
@@ -32,11 +35,13 @@ import torch
 
 from .decider import Condition, Rule, RuleTable
 from .detector import DetectorConfig, DetectorScores
+from .draft import DraftSettings, DraftVocab
 from .identity import IdentityMap, align
 from .plan import SkipPlan
 
 SCHEMA_VERSION = 1
 BYPASS_KINDS = ("strict", "graceful")
+OBJECTIVES = ("lossy", "verified")
 
 
 @dataclass(frozen=True)
@@ -49,17 +54,20 @@ class LayerRef:
 
 @dataclass(frozen=True)
 class PolicyRule:
-    """A rule as stored: conditions and the layers (by fingerprint) it skips."""
+    """A rule as stored: conditions, the layers (by fingerprint) it skips, its draft settings."""
 
     name: str
     conditions: tuple[Condition, ...] = ()
     skip: tuple[LayerRef, ...] = ()
+    draft: DraftSettings = DraftSettings()
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name}
         if self.conditions:
             out["when"] = [c.to_json() for c in self.conditions]
         out["skip"] = [{"index": r.index, "fingerprint": r.fingerprint} for r in self.skip]
+        if not self.draft.is_default:
+            out["draft"] = self.draft.to_json()
         return out
 
 
@@ -105,10 +113,19 @@ class Policy:
     calibration: Calibration | None = None
     sidecar: str | None = None
     schema_version: int = SCHEMA_VERSION
+    objective: str = "lossy"
+    draft_vocab: DraftVocab | None = None
 
     def __post_init__(self) -> None:
         if self.bypass not in BYPASS_KINDS:
             raise ValueError(f"bypass {self.bypass!r} is not known; use one of {', '.join(BYPASS_KINDS)}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective {self.objective!r} is not known; use one of {', '.join(OBJECTIVES)}")
+        ranked = len(self.draft_vocab.token_ids) if self.draft_vocab is not None else 0
+        for rule in (*self.rules, self.default):
+            if rule.draft.vocab > ranked:
+                raise ValueError(f"rule {rule.name!r} drafts over {rule.draft.vocab} token ids, but the policy's "
+                                 f"draft_vocab ranks {ranked}")
         if self.default.conditions:
             raise ValueError(f"default rule {self.default.name!r} has conditions; a default has none")
         for rule in (*self.rules, self.default):
@@ -128,8 +145,8 @@ class Policy:
         """A policy from an index-based rule table made on the model `identity` describes."""
         def refs(skip: frozenset[int]) -> tuple[LayerRef, ...]:
             return tuple(LayerRef(i, identity.layers[i].fingerprint) for i in sorted(skip))
-        rules = tuple(PolicyRule(r.name, r.conditions, refs(r.skip)) for r in table.rules)
-        default = PolicyRule(table.default.name, (), refs(table.default.skip))
+        rules = tuple(PolicyRule(r.name, r.conditions, refs(r.skip), r.draft) for r in table.rules)
+        default = PolicyRule(table.default.name, (), refs(table.default.skip), table.default.draft)
         return Policy(identity, rules, default, allow_protected=table.allow_protected, **kwargs)
 
     def to_json(self) -> dict[str, Any]:
@@ -138,7 +155,8 @@ class Policy:
                 "detector": self.detector.to_json(), "allow_protected": self.allow_protected,
                 "bypass": self.bypass, "sidecar": self.sidecar,
                 "rules": [r.to_json() for r in self.rules], "default": self.default.to_json(),
-                "calibration": calibration}
+                "calibration": calibration, "objective": self.objective,
+                "draft_vocab": None if self.draft_vocab is None else self.draft_vocab.to_json()}
 
 
 @dataclass(frozen=True)
@@ -161,6 +179,8 @@ class AlignedPolicy:
     biases: Mapping[int, torch.Tensor] = field(default_factory=dict)
     source: str = "none"
     calibration: Calibration | None = None
+    draft_vocab: DraftVocab | None = None
+    objective: str = "lossy"
 
     @staticmethod
     def no_skipping(num_layers: int, detector: DetectorConfig | None = None) -> AlignedPolicy:
@@ -177,7 +197,8 @@ def _parse_rule(item: Any) -> PolicyRule:
         raise ValueError(f"a rule must be a JSON object, got {type(item).__name__}")
     conditions = tuple(Condition.from_json(c) for c in item.get("when", []))
     skip = tuple(LayerRef(int(r["index"]), str(r["fingerprint"])) for r in item.get("skip", []))
-    return PolicyRule(str(item["name"]), conditions, skip)
+    draft = DraftSettings.from_json(item["draft"]) if "draft" in item else DraftSettings()
+    return PolicyRule(str(item["name"]), conditions, skip, draft)
 
 
 def policy_from_json(data: Any) -> Policy:
@@ -198,7 +219,9 @@ def policy_from_json(data: Any) -> Policy:
             detector=DetectorConfig(**dict(data.get("detector", {}))),
             allow_protected=bool(data.get("allow_protected", False)),
             bypass=str(data.get("bypass", "strict")), sidecar=data.get("sidecar"),
-            calibration=None if calibration is None else Calibration(**dict(calibration)))
+            calibration=None if calibration is None else Calibration(**dict(calibration)),
+            objective=str(data.get("objective", "lossy")),
+            draft_vocab=None if data.get("draft_vocab") is None else DraftVocab.from_json(data["draft_vocab"]))
     except KeyError as err:
         raise ValueError(f"a required field is missing: {err}") from err
     except TypeError as err:
@@ -262,12 +285,13 @@ def align_policy(policy: Policy, identity: IdentityMap, directory: Path, source:
         raise ValueError(f"it was made for another model ({policy.identity.architecture}): {err}") from err
 
     def to_rule(rule: PolicyRule) -> Rule:
-        return Rule(rule.name, rule.conditions, frozenset(layer_map[r.index] for r in rule.skip))
+        return Rule(rule.name, rule.conditions, frozenset(layer_map[r.index] for r in rule.skip), rule.draft)
 
     table = RuleTable(tuple(to_rule(r) for r in policy.rules), to_rule(policy.default),
                       identity.num_layers, policy.allow_protected)
     return AlignedPolicy(table, policy.detector, layer_map, policy.bypass,
-                         _load_biases(policy, directory, layer_map), source, policy.calibration)
+                         _load_biases(policy, directory, layer_map), source, policy.calibration,
+                         policy.draft_vocab, policy.objective)
 
 
 def load_policy(path: str | Path, identity: IdentityMap) -> AlignedPolicy:

@@ -191,6 +191,9 @@ class Scheduler:
 
 
 def _check_biases(policy: AlignedPolicy, model: nn.Module) -> None:
+    """The sidecar biases fit the hidden size, and the draft vocabulary fits the model's vocabulary."""
+    if policy.draft_vocab is not None:
+        policy.draft_vocab.check(int(model.get_input_embeddings().weight.shape[0]))  # type: ignore[operator]
     hidden = int(model.get_input_embeddings().weight.shape[-1])  # type: ignore[operator]
     wrong = sorted(i for i, b in policy.biases.items() if b.shape[0] != hidden)
     if wrong:

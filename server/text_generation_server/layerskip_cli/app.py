@@ -18,7 +18,7 @@ import typer
 from ..download import DEFAULT_MODEL_ID
 from .engine import Engine, ModelSpec
 from .output import note
-from .prompts import PromptSet, default_prompts_path, read_prompts, select
+from .prompts import Prompt, PromptSet, default_prompts_path, read_prompts, select
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Offline layer-skip tools: profile, sweep, calibrate, verify, consistency.")
@@ -126,7 +126,7 @@ def sweep(model_id: ModelArg = DEFAULT_MODEL_ID,
     from text_generation_server.layerskip import DetectorConfig
 
     from .output import write_csv, write_json
-    from .sweep import choose, grid, heatmap, honesty, nested_sets, skip_order
+    from .sweep import choose, frontier, grid, heatmap, honesty, nested_sets, skip_order, step_savings
     from .trials import run_trials
 
     _setup(threads)
@@ -144,12 +144,13 @@ def sweep(model_id: ModelArg = DEFAULT_MODEL_ID,
     report = honesty(trials)
     write_csv(out / "sweep.csv", [c.to_row() for c in cells])
     heatmap(cells, best, target, out / "sweep_heatmap.png")
+    frontier(cells, step_savings(profile_csv, skip_sets), out / "sweep_frontier.png")
     write_json(out / "sweep.json", {**_meta(spec, prompt_set, split.value, "sweep"), "profile": str(profile_csv),
                                     "rank_by": rank_by, "target": target, "new_tokens": new_tokens,
                                     "skip_sets": [sorted(s) for s in skip_sets],
                                     "chosen": None if best is None else best.to_row(), "detector_honesty": report,
                                     "cells": [c.to_row() for c in cells], "prompts": [t.to_json() for t in trials]})
-    note(f"wrote {out / 'sweep.csv'}, {out / 'sweep_heatmap.png'}, {out / 'sweep.json'}")
+    note(f"wrote {out / 'sweep.csv'}, {out / 'sweep_heatmap.png'}, {out / 'sweep_frontier.png'}, {out / 'sweep.json'}")
     note(f"chosen cell: {best.to_row() if best else 'none (no cell that skips meets the target)'}")
     note(f"detector honesty: {report['verdict']}")
 
@@ -158,26 +159,41 @@ def sweep(model_id: ModelArg = DEFAULT_MODEL_ID,
 def calibrate(model_id: ModelArg = DEFAULT_MODEL_ID,
               out: Annotated[Path, typer.Option("--out", help="Policy file to write.")] = Path(
                   "reports/calibration/policy.json"),
-              sweep_dir: Annotated[Path, typer.Option("--sweep-dir", help="Folder with sweep.json.")] = Path(
+              sweep_dir: Annotated[Path, typer.Option("--sweep-dir", help="Folder with sweep.json (lossy).")] = Path(
                   "reports/calibration"),
               prompts: PromptsOpt = None, quantize: QuantizeOpt = None, dtype: DtypeOpt = Dtype.float32,
               objective: Annotated[str, typer.Option("--objective", help="lossy or verified.")] = "lossy",
               target: TargetOpt = 0.999, max_prompts: MaxPromptsOpt = None, new_tokens: NewTokensOpt = 16,
-              threads: ThreadsOpt = None) -> None:
-    """Write a policy that skips the most layers meeting the target; evidence from the held-out split."""
+              threads: ThreadsOpt = None,
+              profile_csv: Annotated[Path | None, typer.Option("--profile", help="verified: profile.csv ranking the "
+                                                               "layers (default: measured here).")] = None,
+              skip_depths: Annotated[str, typer.Option("--skip-depths", help="verified: skip set sizes.")] = (
+                  "2,4,6,8,10,12"),
+              vocab_sizes: Annotated[str, typer.Option("--vocab-sizes", help="verified: draft head sizes "
+                                                       "(0: full).")] = "0,32768,16384,8192,4096",
+              per_class: Annotated[int | None, typer.Option("--per-class", help="verified: prompts per class and "
+                                                            "split.")] = None,
+              verify_cost: Annotated[str, typer.Option("--verify-cost", help="verified: measured, or flat (a forward "
+                                                       "of up to 8 tokens costs one step).")] = "measured",
+              layer_order: Annotated[str, typer.Option("--layer-order", help="verified: layers safest first "
+                                                       "(default: ranked here).")] = "",
+              heldout_per_class: Annotated[int | None, typer.Option("--heldout-per-class", help="verified: held-out "
+                                                                    "prompts per class (default --per-class).")] = None,
+              ) -> None:
+    """Write a policy: lossy, the cell skipping most layers at the target; verified, the fastest drafts per class."""
     import json
 
     from .calibrate import calibrate as run_calibrate
 
     _setup(threads)
-    if objective == "verified":
-        note("error: --objective verified maximises expected speed from measured acceptance and a decode cost "
-             "model; that cost model belongs to the verified mode, which this build does not provide yet. "
-             "Use --objective lossy.")
-        raise typer.Exit(2)
-    if objective != "lossy":
+    if objective not in ("lossy", "verified"):
         raise typer.BadParameter(f"--objective {objective} is not known; use lossy or verified")
     prompt_set = _prompts(prompts)
+    if objective == "verified":
+        _calibrate_verified(model_id, out, prompt_set, quantize, dtype, profile_csv, skip_depths, vocab_sizes,
+                            (per_class, per_class if heldout_per_class is None else heldout_per_class), new_tokens,
+                            verify_cost, layer_order)
+        return
     sweep_path = sweep_dir / "sweep.json"
     if not sweep_path.is_file():
         note(f"error: {sweep_path} is missing; run `text-generation-server layerskip sweep` first")
@@ -196,6 +212,53 @@ def calibrate(model_id: ModelArg = DEFAULT_MODEL_ID,
     evidence = run_calibrate(engine, prompt_set, heldout, sweep_result, target, new_tokens, out)
     note(f"wrote {out}: {evidence['decision']}; held-out consistency {evidence['heldout']['consistency']:.3f}, "
          f"skip rate {evidence['heldout']['skip_rate']:.3f}")
+
+
+def _per_class(prompts: list[Prompt], limit: int | None) -> list[Prompt]:
+    if limit is None:
+        return prompts
+    taken: dict[str, int] = {}
+    kept = []
+    for p in prompts:
+        if taken.get(p.category, 0) < limit:
+            taken[p.category] = taken.get(p.category, 0) + 1
+            kept.append(p)
+    return kept
+
+
+def _calibrate_verified(model_id: str, out: Path, prompt_set: PromptSet, quantize: Quantize | None, dtype: Dtype,
+                        profile_csv: Path | None, skip_depths: str, vocab_sizes: str,
+                        per_class: tuple[int | None, int | None], new_tokens: int, verify_cost: str,
+                        layer_order: str) -> None:
+    from .calibrate_verified import VerifiedConfig, calibrate_verified
+
+    try:
+        config = VerifiedConfig(tuple(int(d) for d in skip_depths.split(",")),
+                                tuple(int(v) for v in vocab_sizes.split(",")), new_tokens, verify_cost,
+                                tuple(int(i) for i in layer_order.split(",") if i.strip()))
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    spec = ModelSpec(model_id, quantize.value if quantize else None, dtype.value)
+    engine = _load(spec)
+    calibration = _per_class(prompt_set.split("calibration"), per_class[0])
+    heldout = _per_class(prompt_set.split("heldout"), per_class[1]) if per_class[1] != 0 else []
+    evidence = calibrate_verified(engine, prompt_set, calibration, heldout, profile_csv, config, out)
+    note(f"wrote {out}: default drafts skip {evidence['default']['skip']} with head {evidence['default']['vocab']}, "
+         f"{len(evidence['rules'])} detector rules; predicted speed-up {evidence['predicted_speedup']}")
+
+
+@app.command("prompt-classes")
+def prompt_classes(out: Annotated[Path, typer.Option("--out", help="JSONL file to write.")] = Path(
+                       "reports/verified/prompts.jsonl"),
+                   per_class: Annotated[int, typer.Option("--per-class", help="Prompts per class.")] = 16) -> None:
+    """Write verified mode's four prompt classes (HumanEval completion, code editing, chat, summarisation)."""
+    from .prompt_classes import write
+
+    try:
+        note(f"wrote {write(out, per_class)}")
+    except ValueError as err:
+        note(f"error: {err}")
+        raise typer.Exit(2) from err
 
 
 @app.command()
@@ -243,19 +306,22 @@ def consistency(model_id: ModelArg = DEFAULT_MODEL_ID,
                 out: Annotated[Path, typer.Option("--out", help="Output folder.")] = Path(
                     "reports/calibration/consistency"),
                 prompts: PromptsOpt = None,
-                reference: Annotated[str, typer.Option("--reference", help="float32 or bfloat16.")] = "float32",
+                reference: Annotated[str | None, typer.Option(
+                    "--reference", help="float16, bfloat16 or float32 (default: float16 where fp16 runs on this "
+                    "CPU, else float32).")] = None,
                 candidates: Annotated[str, typer.Option("--candidates", help="Comma-separated: int8,nf4,fp4"
                                                         ",bfloat16.")] = "int8,nf4,fp4",
                 policy: Annotated[Path | None, typer.Option("--policy", help="Policy (lossy) to apply too.")] = None,
                 split: Annotated[Split, typer.Option("--split")] = Split.heldout,
                 max_prompts: MaxPromptsOpt = 8, new_tokens: NewTokensOpt = 16, threads: ThreadsOpt = None) -> None:
     """Quantized-versus-full-precision suite: JSON, Markdown report and PNG plots."""
-    from .consistency import run_consistency
+    from .consistency import default_reference, run_consistency
 
     _setup(threads)
     prompt_set = _prompts(prompts)
     chosen = select(prompt_set, split.value, max_prompts)
     names = [c.strip() for c in candidates.split(",") if c.strip()]
+    reference = reference or default_reference()
     spec = ModelSpec(model_id, None, reference)
     try:
         result = run_consistency(model_id, reference, names, policy, chosen, new_tokens, out,
@@ -266,5 +332,6 @@ def consistency(model_id: ModelArg = DEFAULT_MODEL_ID,
     for row in result["variants"]:
         note(f"{row['variant']:>16}: exact {row.get('exact_match', float('nan')):.3f}, "
              f"agreement {row.get('tf_agreement', float('nan')):.3f}, KL {row.get('mean_kl', float('nan')):.4f}, "
-             f"aligned {row['alignment']['aligned']}")
+             f"{row.get('decode_tokens_per_s', float('nan')):.1f} tok/s "
+             f"({row.get('speed_vs_reference', float('nan')):.2f}x {reference}), aligned {row['alignment']['aligned']}")
     note(f"wrote {out / 'consistency.json'}, {out / 'consistency.md'} and plots")

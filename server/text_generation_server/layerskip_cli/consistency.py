@@ -1,5 +1,12 @@
 """`layerskip consistency`: quantized candidates against a full-precision reference, with and without a policy.
 
+The reference precision is the user's choice (`--reference float16|bfloat16|float32`; by default
+float16 where fp16 runs on this CPU, as bitsandbytes' int8 is usually judged, else float32).
+Beside the consistency figures each row reports its greedy decode speed (tokens/s over the
+prompts' continuations, prefill included) and its ratio to the reference's, so the trade is
+visible: measured one variant after another, not interleaved, so a guide rather than a benchmark
+(benchmark/runner_decode.py measures speed properly).
+
 For each variant (a candidate quantization, or the reference itself with the policy) and each
 prompt: greedy exact match against the reference's greedy continuation and the first divergence
 position; teacher-forced over the reference continuation: argmax agreement, mean KL(reference ||
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +34,23 @@ from .output import markdown_table, note, progress, write_json
 from .prompts import Prompt
 
 CANDIDATES = {"int8": ("bitsandbytes", "float32"), "nf4": ("bitsandbytes-nf4", "float32"),
-              "fp4": ("bitsandbytes-fp4", "float32"), "bfloat16": (None, "bfloat16"), "float32": (None, "float32")}
+              "fp4": ("bitsandbytes-fp4", "float32"), "bfloat16": (None, "bfloat16"), "float16": (None, "float16"),
+              "float32": (None, "float32")}
+REFERENCES = ("float16", "bfloat16", "float32")
+
+
+def fp16_runs() -> bool:
+    """Whether this CPU's torch runs the fp16 ops a forward needs (a tiny probe)."""
+    try:
+        x, weight = torch.ones(1, 2, 4, 8, dtype=torch.float16), torch.ones(8, 8, dtype=torch.float16)
+        out = torch.nn.functional.scaled_dot_product_attention(x, x, x) + torch.nn.functional.linear(x, weight)
+        return bool(torch.isfinite(torch.nn.functional.rms_norm(out, (8,))).all())
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def default_reference() -> str:
+    return "float16" if fp16_runs() else "float32"
 
 
 @dataclass
@@ -38,6 +62,7 @@ class Reference:
     tokens: list[tuple[int, ...]] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # [new, vocab] per prompt
     identity: IdentityMap | None = None
+    tokens_per_s: float = 0.0  # greedy decode speed over the prompts
 
 
 def nll(logits: torch.Tensor, tokens: tuple[int, ...]) -> float:
@@ -49,8 +74,12 @@ def nll(logits: torch.Tensor, tokens: tuple[int, ...]) -> float:
 def measure(engine: Engine, ref: Reference, skips: list[Skip]) -> dict[str, Any]:
     """The variant's figures against the reference, one skip set per prompt."""
     exact, first, agree, kls, nll_ref, nll_var, count = [], [], [], [], 0.0, 0.0, 0
+    greedy_s, greedy_tokens = 0.0, 0
     for i, (ids, tokens, ref_logits) in enumerate(zip(ref.ids, ref.tokens, ref.logits, strict=True)):
+        start = time.perf_counter()
         got = engine.greedy(ids, skips[i], len(tokens), reference=tokens)
+        greedy_s += time.perf_counter() - start
+        greedy_tokens += len(got)
         diverged = next((j for j, (a, b) in enumerate(zip(got, tokens, strict=False)) if a != b), None)
         if diverged is None and len(got) != len(tokens):
             diverged = min(len(got), len(tokens))
@@ -69,7 +98,9 @@ def measure(engine: Engine, ref: Reference, skips: list[Skip]) -> dict[str, Any]
             "min_first_divergence": min(first) if first else None, "tf_agreement": float(np.mean(agree)),
             "mean_kl": float(np.mean(kls)), "ppl_reference": ppl_ref, "ppl": ppl_var,
             "ppl_drift": ppl_var / ppl_ref - 1.0,
-            "mean_layers_skipped": float(np.mean([len(s) for s in skips]))}
+            "mean_layers_skipped": float(np.mean([len(s) for s in skips])),
+            "decode_tokens_per_s": greedy_tokens / greedy_s,
+            "speed_vs_reference": greedy_tokens / greedy_s / ref.tokens_per_s}
 
 
 def alignment(reference: IdentityMap, loaded: IdentityMap) -> dict[str, Any]:
@@ -88,13 +119,18 @@ def alignment(reference: IdentityMap, loaded: IdentityMap) -> dict[str, Any]:
 def run_reference(spec: ModelSpec, prompts: list[Prompt], new_tokens: int) -> Reference:
     engine = Engine.load(spec)
     ref = Reference(spec.label, identity=engine.identity)
+    greedy_s, greedy_tokens = 0.0, 0
     for prompt in progress(prompts, f"consistency: reference {spec.label}"):
         ids = prompt.render(engine.tokenizer)
+        start = time.perf_counter()
         tokens = engine.greedy(ids, NO_SKIP, new_tokens)
+        greedy_s += time.perf_counter() - start
+        greedy_tokens += len(tokens)
         _, logits = teacher_forced(engine, ids, tokens, None, NO_SKIP)
         ref.ids.append(ids)
         ref.tokens.append(tokens)
         ref.logits.append(logits)
+    ref.tokens_per_s = greedy_tokens / greedy_s
     return ref
 
 
@@ -139,7 +175,7 @@ def run_variant(spec: ModelSpec, ref: Reference, policy: Path | None, include_pl
 
 
 SUMMARY_COLUMNS = ("variant", "mean_layers_skipped", "exact_match", "mean_first_divergence", "tf_agreement",
-                   "mean_kl", "ppl", "ppl_drift", "policy_aligned")
+                   "mean_kl", "ppl", "ppl_drift", "decode_tokens_per_s", "speed_vs_reference", "policy_aligned")
 
 
 def report_markdown(result: dict[str, Any]) -> str:
@@ -204,9 +240,9 @@ def run_consistency(model_id: str, reference: str, candidates: list[str], policy
     for name in (reference, *candidates):
         if name not in CANDIDATES:
             raise ValueError(f"variant {name!r} is not known; use one of {', '.join(CANDIDATES)}")
-    quantize, dtype = CANDIDATES[reference]
-    if quantize is not None:
-        raise ValueError(f"--reference {reference}: use float32 or bfloat16")
+    if reference not in REFERENCES:
+        raise ValueError(f"--reference {reference}: use one of {', '.join(REFERENCES)}")
+    _, dtype = CANDIDATES[reference]
     ref_spec = ModelSpec(model_id, None, dtype)
     ref = run_reference(ref_spec, prompts, new_tokens)
     rows = run_variant(ref_spec, ref, policy, include_plain=False) if policy is not None else []
@@ -215,13 +251,14 @@ def run_consistency(model_id: str, reference: str, candidates: list[str], policy
         rows.append({"variant": ref.label, "policy": None, "alignment": alignment(ref.identity, ref.identity),
                      "exact_match": 1.0, "tf_agreement": 1.0, "mean_kl": 0.0, "num_diverged": 0,
                      "mean_first_divergence": None, "min_first_divergence": None, "ppl": None,
-                     "ppl_reference": None, "ppl_drift": 0.0, "mean_layers_skipped": 0.0})
+                     "ppl_reference": None, "ppl_drift": 0.0, "mean_layers_skipped": 0.0,
+                     "decode_tokens_per_s": ref.tokens_per_s, "speed_vs_reference": 1.0})
     for name in candidates:
         quantize, dtype = CANDIDATES[name]
         rows += run_variant(ModelSpec(model_id, quantize, dtype), ref, policy, include_plain=True)
     ppl_ref = math.exp(sum(nll(lg, t) for lg, t in zip(ref.logits, ref.tokens, strict=True))
                        / sum(len(t) for t in ref.tokens))
-    result = {**meta, "reference": ref.label, "candidates": candidates,
+    result = {**meta, "reference": ref.label, "reference_tokens_per_s": ref.tokens_per_s, "candidates": candidates,
               "policy": None if policy is None else str(policy), "num_prompts": len(prompts),
               "new_tokens": new_tokens, "num_layers": len(rows[0]["alignment"]["distances"]),
               "ppl_reference": ppl_ref, "variants": rows}

@@ -115,15 +115,26 @@ def honesty(trials: list[PromptTrial]) -> dict[str, Any]:
     return {"spearman": rhos, "safe_depth_histogram": histogram, "verdict": verdict}
 
 
+def distinct_labels(values: list[float]) -> list[str]:
+    """Tick labels with just enough significant digits that no two thresholds read the same."""
+    for digits in range(3, 10):
+        labels = [f"{v:.{digits}g}" for v in values]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [repr(v) for v in values]
+
+
 def heatmap(cells: list[Cell], chosen: Cell | None, target: float, path: Path) -> Path:
-    """One panel per k: x max_score threshold, y mean_score threshold, colour consistency."""
+    """One panel per k: x max_score threshold, y mean_score threshold, colour consistency; each cell
+    is annotated with its consistency, skip rate and mean layers skipped (a cell of 1.0 that skips
+    nothing reads as such)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ks = sorted({c.k for c in cells})
-    fig, axes = plt.subplots(1, len(ks), figsize=(3.2 * len(ks) + 1, 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(ks), figsize=(4.2 * len(ks) + 1, 4.2), squeeze=False)
     image = None
     for ax, k in zip(axes[0], ks, strict=True):
         sub = [c for c in cells if c.k == k]
@@ -134,21 +145,58 @@ def heatmap(cells: list[Cell], chosen: Cell | None, target: float, path: Path) -
             z[ys.index(c.mean_score_below), xs.index(c.max_score_below)] = c.consistency
         image = ax.imshow(z, origin="lower", vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
         for c in sub:
+            ax.text(xs.index(c.max_score_below), ys.index(c.mean_score_below),
+                    f"{c.consistency:.2f}\n{100 * c.skip_rate:.0f}%\n{c.mean_layers_skipped:.1f}L",
+                    ha="center", va="center", fontsize=4.5, color="white" if c.consistency < 0.6 else "black")
+        for c in sub:
             if c.consistency >= target and c.mean_layers_skipped > 0:  # the plateau that meets the target
                 ax.add_patch(plt.Rectangle((xs.index(c.max_score_below) - 0.5, ys.index(c.mean_score_below) - 0.5),
                                            1, 1, fill=False, edgecolor="white", linewidth=1.5))
         if chosen is not None and chosen.k == k:
             ax.plot(xs.index(chosen.max_score_below), ys.index(chosen.mean_score_below), "r*", markersize=14)
-        ax.set_xticks(range(len(xs)), [f"{x:.3g}" for x in xs], rotation=60, fontsize=7)
-        ax.set_yticks(range(len(ys)), [f"{y:.3g}" for y in ys], fontsize=7)
+        ax.set_xticks(range(len(xs)), distinct_labels(xs), rotation=60, fontsize=7)
+        ax.set_yticks(range(len(ys)), distinct_labels(ys) if k == ks[0] else [""] * len(ys), fontsize=7)
         ax.set_title(f"skip {k} layer{'s' if k > 1 else ''}", fontsize=9)
         ax.set_xlabel("max_score <", fontsize=8)
     axes[0][0].set_ylabel("mean_score <", fontsize=8)
-    title = (f"greedy exact match vs off (white: >= {target:g}; star: chosen)" if chosen is not None
+    title = (f"greedy exact match vs off (cells: consistency, skip rate, mean layers skipped; white: >= "
+             f"{target:g}; star: chosen)" if chosen is not None
              else f"greedy exact match vs off: no cell that skips reaches {target:g}")
     fig.suptitle(title, fontsize=10)
     if image is not None:
         fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="consistency")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def step_savings(profile_csv: Path, skip_sets: list[Skip]) -> dict[int, float]:
+    """Per skip depth k, the profile's measured latency saving of S_k as a share of all layers' savings."""
+    rows = {int(r["layer"]): max(float(r["latency_saving_ms"]), 0.0) for r in read_csv(profile_csv)}
+    total = sum(rows.values()) or 1.0
+    return {k: sum(rows.get(i, 0.0) for i in skip) / total for k, skip in enumerate(skip_sets, 1)}
+
+
+def frontier(cells: list[Cell], layer_saving: dict[int, float], path: Path) -> Path:
+    """Best consistency per skip depth against the decode-step share it saves (profile latency)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = sorted({c.k for c in cells})
+    best = [max((c for c in cells if c.k == k and c.mean_layers_skipped > 0), key=lambda c: c.consistency,
+                default=None) for k in ks]
+    points = [(layer_saving.get(k, 0.0) * c.share_selected, c.consistency, k) for k, c in zip(ks, best, strict=True)
+              if c is not None]
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+    for x, y, k in points:
+        ax.annotate(f"k={k}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+    ax.set_xlabel("saved share of the layers' decode time (profile latency x share selected)")
+    ax.set_ylabel("best greedy consistency")
+    ax.set_title("lossy frontier: consistency vs saved step time", fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -9,6 +9,7 @@ from transformers import GenerationConfig
 
 from ..download import download_weights
 from .causal_lm import CausalLM
+from .draft_control import SpeculateConfig
 from .loading import LoadConfig, load_model, load_tokenizer
 from .runner import build_runner
 from .skip_planner import LayerSkipConfig, SkipPlanner
@@ -27,7 +28,7 @@ def eos_token_ids(path: Path, tokenizer_eos: int | None) -> frozenset[int]:
 
 
 def get_model(model_id: str, revision: str | None, load: LoadConfig, runner_kind: str = "auto",
-              layer_skip: LayerSkipConfig | None = None) -> CausalLM:
+              layer_skip: LayerSkipConfig | None = None, speculation: SpeculateConfig | None = None) -> CausalLM:
     path = download_weights(model_id, revision)
     tokenizer = load_tokenizer(path, load.trust_remote_code)
     model = load_model(path, load)
@@ -35,4 +36,5 @@ def get_model(model_id: str, revision: str | None, load: LoadConfig, runner_kind
     runner = build_runner(model, runner_kind)
     logger.info(f"Runner: {runner.name} ({model.config.model_type}, {runner.num_layers} layers, {runner.dtype})")
     max_positions = int(getattr(model.config.get_text_config(), "max_position_embeddings", 4096))
-    return CausalLM(runner, tokenizer, eos_token_ids(path, tokenizer.eos_token_id), planner, max_positions)
+    return CausalLM(runner, tokenizer, eos_token_ids(path, tokenizer.eos_token_id), planner, max_positions,
+                    speculation)

@@ -16,14 +16,19 @@ from transformers import PreTrainedTokenizerBase
 
 from ..detokenize import decode_token
 from ..grammar import GrammarCompiler
+from ..layerskip import SkipPlan
 from ..sampling import top_n_tokens
 from ..stopping import FinishReason
 from .batch import NO_SKIP, CausalLMBatch, RequestState
+from .cost_model import CostModel, DraftKey
+from .draft_control import DraftController, SpeculateConfig
+from .draft_head import DraftHeads
 from .group_step import RowStep, plain_step, verified_step
+from .plan_groups import GroupKey
 from .runner.base import Runner
 from .shadow_check import add_twins, compare_twins
 from .skip_planner import SkipPlanner
-from .speculative import MIN_CYCLES_BEFORE_AUTO_OFF, CostModel, SpecState
+from .speculative import SpecState
 
 
 @dataclass
@@ -78,7 +83,9 @@ def skip_report(state: RequestState) -> SkipReport | None:
     if spec is not None:
         stats.update(drafted=spec.drafted, accepted=spec.accepted, cycles=spec.cycles, draft_length=spec.k,
                      acceptance=spec.accepted / spec.drafted if spec.drafted else 0.0,
-                     auto_off=float(spec.auto_off))
+                     auto_off=float(spec.auto_off), ngram_drafted=spec.ngram.drafted,
+                     ngram_accepted=spec.ngram.accepted, model_drafted=spec.model.drafted,
+                     model_accepted=spec.model.accepted, draft_vocab=spec.vocab)
     return SkipReport(plan.mode, sorted(plan.skipped), plan.rule, dict(plan.scores), stats)
 
 
@@ -92,15 +99,21 @@ class CausalLM:
     """A loaded model with its tokenizer, runner and skip planner, able to run batches."""
 
     def __init__(self, runner: Runner, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int],
-                 planner: SkipPlanner, max_position_embeddings: int = 4096) -> None:
+                 planner: SkipPlanner, max_position_embeddings: int = 4096,
+                 speculation: SpeculateConfig | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.planner = planner
         self.max_position_embeddings = max_position_embeddings
         self.special_ids = frozenset(tokenizer.all_special_ids)
+        self.speculation = speculation or SpeculateConfig()
         self.cost_model: CostModel | None = None
-        self.auto_off = True  # verified requests whose drafting does not pay continue as off
+        self.controller = DraftController(self.costs, self.speculation.max_draft, ngram=True)
+        policy = planner.scheduler.policy
+        self.heads = DraftHeads(policy.draft_vocab, getattr(runner, "lm_head", None))
+        for rule in (*policy.table.rules, policy.table.default):
+            self.heads.reserve(rule.draft.vocab)
         self._grammars: GrammarCompiler | None = None
 
     def grammar_compiler(self) -> GrammarCompiler:
@@ -108,6 +121,25 @@ class CausalLM:
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids))
         return self._grammars
+
+    @property
+    def auto_off(self) -> bool:
+        """Whether drafting that does not pay stops (False: always draft, for tests and benchmarks)."""
+        return not self.controller.force
+
+    @auto_off.setter
+    def auto_off(self, value: bool) -> None:
+        self.controller.force = not value
+
+    @property
+    def speculate(self) -> int:
+        """Info.speculate: the most draft tokens a step may verify per request (0: no speculation).
+
+        As upstream's router reads it: up to this many tokens beyond one per step (KV columns).
+        """
+        possible = (self.speculation.ngram_for_all or self.planner.policy_state == "loaded"
+                    or self.planner.mode == "verified")
+        return self.speculation.max_draft if possible else 0
 
     def generate_token(self, batch: CausalLMBatch) -> tuple[list[Generation], CausalLMBatch | None, StepTimings]:
         """Run one step; returns the generations, the batch to cache (None if all stopped) and timings."""
@@ -125,46 +157,56 @@ class CausalLM:
 
     def plan(self, batch: CausalLMBatch) -> None:
         """Decide each request's SkipPlan and group the batch's rows by the layers they skip."""
-        keys = {}
+        keys: dict[int, GroupKey] = {}
         for state in batch.requests:
             plan = state.plan = self.planner.plan(state)
             plan.check_layers(self.runner.num_layers)
-            verified = plan.mode == "verified" and bool(plan.skipped)
-            state.spec = SpecState() if verified else None
-            keys[state.id] = (frozenset(), plan.skipped) if verified else (plan.applied, frozenset())
+            state.spec = self.speculation_for(plan)
+            if plan.mode == "verified":  # verification runs the full model: every layer keeps its cache
+                keys[state.id] = (frozenset(), state.spec.skip if state.spec is not None else frozenset())
+            else:
+                keys[state.id] = (plan.applied, frozenset())
         if self.planner.monitor is not None:
             add_twins(batch, self.planner.monitor)
             keys.update((s.id, NO_SKIP) for s in batch.requests if s.shadow_of is not None)
         batch.regroup(keys)
 
+    def speculation_for(self, plan: SkipPlan) -> SpecState | None:
+        """A new request's drafters: verified plans draft with their rule's draft model (unless the
+        rule's drafting is switched off) and n-gram copies; with --speculate, off and shadow
+        requests draft n-gram copies too. None: plain decoding."""
+        if self.speculate == 0 or plan.mode == "lossy":
+            return None
+        if plan.mode == "verified":
+            admitted = bool(plan.skipped) and self.controller.admits(plan.rule, plan.draft.acceptance)
+            return SpecState(rule=plan.rule, skip=plan.skipped if admitted else frozenset(), vocab=plan.draft.vocab)
+        return SpecState(rule=plan.rule) if self.speculation.ngram_for_all else None
+
     def run_groups(self, batch: CausalLMBatch) -> dict[int, RowStep]:
-        """One step per plan group: a plain forward, or a draft-verify cycle for verified groups."""
+        """One step per plan group: a plain forward, or a draft-verify cycle where rows speculate."""
         by_id = {s.id: s for s in batch.requests}
         steps: dict[int, RowStep] = {}
         for group in batch.groups:
             states = [by_id[rid] for rid in group.request_ids]
-            if group.draft_skip and group.cache.length:
-                k = max(s.spec.k for s in states if s.spec is not None)
-                steps.update(verified_step(self.runner, group, states, k, self.planner.biases))
-            else:
-                steps.update(plain_step(self.runner, group, states, self.planner.biases))
+            if group.cache.length and any(s.spec is not None for s in states):
+                cycle = self.controller.plan_cycle(states, group.draft_skip)
+                if cycle.drafts_anything:
+                    head = self.heads.get(cycle.vocab) if cycle.model_k else None
+                    steps.update(verified_step(self.runner, group, states, cycle, self.planner.biases, head))
+                    continue
+            steps.update(plain_step(self.runner, group, states, self.planner.biases))
         return steps
 
     def adapt_drafting(self, batch: CausalLMBatch, steps: dict[int, RowStep]) -> None:
-        """Update acceptance; pick each request's draft length; move slow ones to plain decoding."""
-        if not any(s.spec is not None and steps[s.id].drafted for s in batch.requests):
-            return
-        cost = self.costs()
+        """Count each drafting row's cycle (request and rule); move requests whose model drafting
+        does not pay to plain decoding (auto-off)."""
         stop_drafting = []
         for state in batch.requests:
-            step, spec = steps[state.id], state.spec
-            if spec is None or not step.drafted or state.finished:
+            step = steps[state.id]
+            if state.spec is None or not step.drafted or state.finished:
                 continue
-            spec.record(step.drafted, step.accepted)
-            assert state.plan is not None
-            spec.k, speedup = cost.best_k(spec.acceptance, len(state.plan.skipped))
-            if self.auto_off and speedup < 1.0 and spec.cycles >= MIN_CYCLES_BEFORE_AUTO_OFF:
-                spec.auto_off = True
+            if self.controller.record(state, step.source, step.drafted, step.accepted):
+                state.spec.auto_off = True
                 stop_drafting.append(state.id)
         if stop_drafting:
             batch.move(stop_drafting, NO_SKIP)
@@ -199,9 +241,13 @@ class CausalLM:
         return out
 
     def costs(self) -> CostModel:
-        """The draft/verify cost model (measured once, at warmup or on first use)."""
+        """The draft/verify cost model (measured once, at warmup or on first use), with the draft
+        configurations of the policy's rules measured as they will run."""
         if self.cost_model is None:
-            self.cost_model = CostModel.measure(self.runner)
+            table = self.planner.scheduler.policy.table
+            configs: list[DraftKey] = [(r.skip, r.draft.vocab) for r in (*table.rules, table.default) if r.skip]
+            max_tokens = 4 * (self.speculation.max_draft + 1)
+            self.cost_model = CostModel.measure(self.runner, configs, self.heads, max_tokens=max_tokens)
         return self.cost_model
 
     def request_generation(self, state: RequestState, step: RowStep) -> Generation:

@@ -11,7 +11,7 @@ checks find inconsistent is rolled back the same way (`"rolled_back"`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from loguru import logger
@@ -21,6 +21,7 @@ from ..layerskip import Scheduler, SkipPlan
 from ..layerskip.plan import MODES
 from .batch import RequestState
 from .shadow_check import ShadowConfig, ShadowMonitor
+from .shipped_policies import AUTO, find_shipped_policy, policy_dir
 
 DEFAULT_CONSISTENCY_TARGET = 0.9  # when neither a flag nor the policy's calibration gives one
 
@@ -33,7 +34,8 @@ class LayerSkipConfig:
 
     Attributes:
         mode: the default mode of requests that do not override it.
-        policy_path: a policy JSON file; without one the decider never skips a layer.
+        policy_path: a policy JSON file, or "auto" (the shipped policy that matches the model,
+            see shipped_policies.py); without one the decider never skips a layer.
         on_bad_policy: "exit" refuses to start with a bad policy; "off" serves with skipping off.
         shadow: online shadow checks of lossy requests (see shadow_check.py).
     """
@@ -55,6 +57,7 @@ class SkipPlanner:
     """Decides each new request's SkipPlan (see module docstring)."""
 
     def __init__(self, model: nn.Module, config: LayerSkipConfig) -> None:
+        config = self._resolve_auto(model, config)
         self.config = config
         self.mode = config.mode
         self.policy_state = "none" if config.policy_path is None else "loaded"
@@ -80,6 +83,19 @@ class SkipPlanner:
             if target is None:
                 target = calibration.consistency if calibration is not None else DEFAULT_CONSISTENCY_TARGET
             self.monitor = ShadowMonitor(config.shadow, target)
+
+    @staticmethod
+    def _resolve_auto(model: nn.Module, config: LayerSkipConfig) -> LayerSkipConfig:
+        """`--layer-skip-policy auto` -> the matching shipped policy's path, or no policy and mode off."""
+        if config.policy_path != AUTO:
+            return config
+        path = find_shipped_policy(model)
+        if path is None:
+            logger.warning(f"--layer-skip-policy auto: no policy in {policy_dir()} matches the served model's "
+                           "fingerprints; serving with layer skipping off")
+            return replace(config, policy_path=None, mode="off")
+        logger.info(f"--layer-skip-policy auto: {path} matches the served model")
+        return replace(config, policy_path=str(path))
 
     def roll_back(self) -> None:
         """Stop skipping for every new request (the shadow checks found the policy inconsistent)."""

@@ -15,50 +15,47 @@ output equals the full model's (up to floating-point near-ties between the one-t
 (k+1)-token forward). Rows accept different numbers of tokens, so a row's real tokens need
 not be contiguous; positions come from the mask, so attention and RoPE stay exact.
 
-Adaptivity: each request keeps acceptance counts; with a per-draft acceptance probability a,
-a cycle of k drafts yields (1 - a^(k+1)) / (1 - a) tokens and costs k draft steps plus one
-verification over k + 1 tokens (`CostModel`, measured at warmup). The draft length is the k
-that maximises tokens per second; when even the best k is slower than plain decoding, the
-request stops drafting and continues as `off` ("auto-off").
+Drafts come from two drafters in the same loop (draft_control.py decides per cycle): n-gram
+(prompt-lookup) drafts copied from the context, free to make (ngram.py), and layer-skip drafts
+from the draft model (skipped layers + an optional reduced head, draft_head.py). Adaptivity
+(draft length, per-rule switch-off, per-request auto-off) is arithmetic on the measured cost
+model (cost_model.py) and the measured acceptance.
 
-Grammar and watermark: with the request's chooser, drafts and verification positions go
-through the same processors as `off` (watermark, penalties, grammar mask, warpers). Each
+Grammar and watermark: with the request's chooser, model drafts and verification positions go
+through the same processors as `off` (watermark, penalties, grammar mask, warpers). Each model
 draft advances the grammar matcher, so the next draft is proposed under the grammar; before
 verification the matcher is rolled back over every draft and then advances over the tokens
 verification keeps, position by position, each position masked in the state its prefix
-leaves. The matcher ends exactly past the accepted tokens, and greedy output equals `off`'s.
+leaves. Copied (n-gram) drafts do not move the matcher: one the grammar forbids is simply
+rejected at its masked position. The matcher ends exactly past the accepted tokens, and greedy
+output equals `off`'s.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..sampling import NextTokenChooser, SamplingParams, apply_penalties, apply_warpers
-from .runner.base import Runner
+from .cost_model import MAX_DRAFT, CostModel, tokens_per_cycle
+from .draft_head import DraftHead
 
-MAX_DRAFT = 6  # the largest k; Info.speculate reports it
 INITIAL_DRAFT = 1  # until acceptance is measured, the cheapest cycle
 MIN_CYCLES_BEFORE_AUTO_OFF = 2
 
+__all__ = ["INITIAL_DRAFT", "MAX_DRAFT", "MIN_CYCLES_BEFORE_AUTO_OFF", "CostModel", "Counts", "Proposal", "SpecState",
+           "accept", "copied_drafts", "draft_token", "tokens_per_cycle"]
+
 
 @dataclass
-class SpecState:
-    """A verified request's drafting statistics."""
+class Counts:
+    """Drafts proposed and kept by one drafter (per request, or per rule across requests)."""
 
-    k: int = INITIAL_DRAFT
     cycles: int = 0
     drafted: int = 0
     accepted: int = 0
     rejections: int = 0
-    auto_off: bool = False
-
-    @property
-    def acceptance(self) -> float:
-        """Per-draft acceptance probability, with a uniform prior (Laplace)."""
-        return (self.accepted + 1) / (self.accepted + self.rejections + 2)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.cycles += 1
@@ -66,66 +63,67 @@ class SpecState:
         self.accepted += accepted
         self.rejections += int(accepted < drafted)
 
+    def estimate(self, prior: float, weight: float = 2.0) -> float:
+        """Per-draft acceptance (geometric model: each accepted draft a success, each cycle that
+        stopped early a failure), with `weight` pseudo-observations at `prior`."""
+        return (self.accepted + prior * weight) / (self.accepted + self.rejections + weight)
 
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds of forwards, measured on the loaded runner at batch 1.
+
+@dataclass
+class SpecState:
+    """A speculating request's drafters and statistics.
 
     Attributes:
-        step_s: a full forward of one token (a plain decode step).
-        verify_s: `verify_s[n - 1]` is a full forward of n tokens, n = 1 .. MAX_DRAFT + 1.
-        layer_s: what bypassing one layer saves in a one-token forward.
+        rule: the plan's rule (per-rule acceptance is pooled under it).
+        skip / vocab: the draft model (layers bypassed, reduced head size; 0 = full head);
+            an empty skip set means n-gram drafts only.
+        k: the model-draft length of the last cycle.
+        model / ngram: this request's counts per drafter.
+        auto_off: model drafting stopped for this request (it did not pay); n-gram drafts go on.
     """
 
-    step_s: float
-    verify_s: tuple[float, ...]
-    layer_s: float
+    rule: str = ""
+    skip: frozenset[int] = frozenset()
+    vocab: int = 0
+    k: int = INITIAL_DRAFT
+    model: Counts = field(default_factory=Counts)
+    ngram: Counts = field(default_factory=Counts)
+    auto_off: bool = False
 
-    def draft_s(self, num_skipped: int) -> float:
-        return max(self.step_s - self.layer_s * num_skipped, 0.05 * self.step_s)
+    @property
+    def model_drafting(self) -> bool:
+        return bool(self.skip) and not self.auto_off
 
-    def speedup(self, k: int, acceptance: float, num_skipped: int) -> float:
-        """Expected tokens/s of k-token drafting relative to plain decoding."""
-        a = min(acceptance, 0.999)
-        tokens = (1 - a ** (k + 1)) / (1 - a)
-        cycle_s = k * self.draft_s(num_skipped) + self.verify_s[k]
-        return tokens * self.step_s / cycle_s
+    @property
+    def cycles(self) -> int:
+        return self.model.cycles + self.ngram.cycles
 
-    def best_k(self, acceptance: float, num_skipped: int) -> tuple[int, float]:
-        speeds = {k: self.speedup(k, acceptance, num_skipped) for k in range(1, MAX_DRAFT + 1)}
-        k = max(speeds, key=lambda key: speeds[key])
-        return k, speeds[k]
+    @property
+    def drafted(self) -> int:
+        return self.model.drafted + self.ngram.drafted
 
-    @classmethod
-    def measure(cls, runner: Runner, repeats: int = 3, context: int = 64) -> CostModel:
-        """Time full and half-skipped forwards after a `context`-token prefix (median of repeats)."""
-        half = frozenset(range(1, runner.num_layers, 2))
+    @property
+    def accepted(self) -> int:
+        return self.model.accepted + self.ngram.accepted
 
-        def timed(new: int, skip: frozenset[int]) -> float:
-            times = []
-            for _ in range(repeats):
-                cache = runner.new_cache(1)
-                ids = torch.zeros((1, context), dtype=torch.long)
-                runner.forward(ids, torch.arange(context)[None], torch.ones((1, context), dtype=torch.long), cache)
-                start = time.perf_counter()
-                runner.forward(torch.zeros((1, new), dtype=torch.long), torch.arange(context, context + new)[None],
-                               torch.ones((1, context + new), dtype=torch.long), cache, last_only=False,
-                               skip_layers=skip)
-                times.append(time.perf_counter() - start)
-            return sorted(times)[len(times) // 2]
-
-        verify = tuple(timed(n, frozenset()) for n in range(1, MAX_DRAFT + 2))
-        layer_s = max(verify[0] - timed(1, half), 0.0) / len(half)
-        return cls(step_s=verify[0], verify_s=verify, layer_s=layer_s)
+    @property
+    def acceptance(self) -> float:
+        """Per-draft acceptance of the model drafts, with a uniform prior (Laplace)."""
+        return self.model.estimate(0.5)
 
 
 @dataclass
 class Proposal:
-    """One row's drafts: token ids and the draft distributions they came from."""
+    """One row's drafts: token ids and the draft distributions they came from.
+
+    `draft_probs[j]` is the `[vocab]` distribution d_j was drawn from (sampling only), or None
+    for a copied n-gram draft: a point distribution, q(d_j) = 1.
+    """
 
     token_ids: list[int] = field(default_factory=list)
-    draft_probs: list[torch.Tensor] = field(default_factory=list)  # each [vocab] (sampling only)
-    grammar_steps: int = 0  # drafts the grammar matcher advanced over (none once it terminated)
+    draft_probs: list[torch.Tensor | None] = field(default_factory=list)
+    source: str = "model"  # "model" (layer-skip draft) or "ngram"
+    grammar_steps: int = 0  # model drafts the grammar matcher advanced over (none once it terminated)
 
 
 def target_logits(params: SamplingParams, logits: torch.Tensor, prefix: list[int],
@@ -140,22 +138,57 @@ def target_logits(params: SamplingParams, logits: torch.Tensor, prefix: list[int
 
 
 def draft_token(params: SamplingParams, generator: torch.Generator | None, logits: torch.Tensor,
-                prefix: list[int], proposal: Proposal, chooser: NextTokenChooser | None = None) -> int:
+                prefix: list[int], proposal: Proposal, head: DraftHead | None = None, vocab_size: int = 0,
+                chooser: NextTokenChooser | None = None) -> int:
     """Choose one draft token (greedy argmax, or a draw from the warped draft distribution);
-    with a chooser that has a grammar, the matcher advances over it (`accept` rolls it back)."""
-    warped = target_logits(params, logits, prefix, chooser)
-    if generator is None:
-        token = int(warped.argmax())
+    with a chooser that has a grammar, the matcher advances over it (`accept` rolls it back).
+
+    Args:
+        logits: `[vocab]`, or `[head.size]` when the draft ran a reduced head.
+        head / vocab_size: the reduced head and the full vocabulary size (for sampling, penalties
+            and grammar masks, which need the full-vocabulary form; q is zero outside the head's ids).
+    """
+    if head is not None and params.is_plain_greedy and (chooser is None or chooser.is_plain_greedy):
+        token = int(head.to_ids(logits.argmax()))
     else:
-        probs = warped.softmax(-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
-        proposal.draft_probs.append(probs)
+        full = head.to_full(logits, vocab_size) if head is not None else logits
+        warped = target_logits(params, full, prefix, chooser)
+        if generator is None or not bool(torch.isfinite(warped).any()):
+            # greedy, or a grammar that allows none of the reduced head's words: a point draft
+            # (q(d) = 1; verification rejects it unless the full model agrees)
+            token = int(warped.argmax())
+            if generator is not None:
+                proposal.draft_probs.append(None)
+        else:
+            probs = warped.softmax(-1)
+            token = int(torch.multinomial(probs, 1, generator=generator))
+            proposal.draft_probs.append(probs)
     proposal.token_ids.append(token)
     grammar = chooser.grammar if chooser is not None else None
     if grammar is not None and not grammar.terminated:
         grammar.accept(token)
         proposal.grammar_steps += 1
     return token
+
+
+def copied_drafts(token_ids: list[int], sampling: bool) -> Proposal:
+    """A proposal of copied (n-gram) drafts: point distributions."""
+    return Proposal(list(token_ids), [None] * len(token_ids) if sampling else [], "ngram")
+
+
+def _rejection_step(generator: torch.Generator, p: torch.Tensor, q: torch.Tensor | None, draft: int) -> int:
+    """Speculative rejection sampling of one position: accept `draft` with min(1, p/q), else draw
+    from the residual max(p - q, 0) (for a point q: p without the draft token)."""
+    q_draft = 1.0 if q is None else float(q[draft])
+    if float(torch.rand((), generator=generator)) * q_draft < float(p[draft]):
+        return draft
+    if q is None:
+        residual = p.clone()
+        residual[draft] = 0
+    else:
+        residual = (p - q).clamp(min=0)
+    total = float(residual.sum())
+    return int(torch.multinomial(residual / total if total > 0 else p, 1, generator=generator))
 
 
 def accept(params: SamplingParams, generator: torch.Generator | None, verify_logits: torch.Tensor,
@@ -178,14 +211,7 @@ def accept(params: SamplingParams, generator: torch.Generator | None, verify_log
         if generator is None:
             choice = int(logp.argmax())
         elif draft is not None:
-            q = proposal.draft_probs[j]
-            p = logp.exp()
-            if float(torch.rand((), generator=generator)) * float(q[draft]) < float(p[draft]):
-                choice = draft
-            else:
-                residual = (p - q).clamp(min=0)
-                total = float(residual.sum())
-                choice = int(torch.multinomial(residual / total if total > 0 else p, 1, generator=generator))
+            choice = _rejection_step(generator, logp.exp(), proposal.draft_probs[j], draft)
         else:
             choice = int(torch.multinomial(logp.exp(), 1, generator=generator))
         tokens.append(choice)

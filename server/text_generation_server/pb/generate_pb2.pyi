@@ -38,7 +38,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "support_chunking", "use_prefix_caching", "attention_impl", "block_size", "runner", "quantize", "layer_skip_mode", "layer_skip_policy", "layer_skip_policy_state", "num_layers")
+    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "support_chunking", "use_prefix_caching", "attention_impl", "block_size", "runner", "quantize", "layer_skip_mode", "layer_skip_policy", "layer_skip_policy_state", "num_layers", "cpu_kernels")
     REQUIRES_PADDING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class InfoResponse(_message.Message):
     LAYER_SKIP_POLICY_FIELD_NUMBER: _ClassVar[int]
     LAYER_SKIP_POLICY_STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CPU_KERNELS_FIELD_NUMBER: _ClassVar[int]
     requires_padding: bool
     dtype: str
     device_type: str
@@ -69,7 +70,8 @@ class InfoResponse(_message.Message):
     layer_skip_policy: str
     layer_skip_policy_state: str
     num_layers: int
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., attention_impl: _Optional[str] = ..., block_size: _Optional[int] = ..., runner: _Optional[str] = ..., quantize: _Optional[str] = ..., layer_skip_mode: _Optional[str] = ..., layer_skip_policy: _Optional[str] = ..., layer_skip_policy_state: _Optional[str] = ..., num_layers: _Optional[int] = ...) -> None: ...
+    cpu_kernels: str
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., attention_impl: _Optional[str] = ..., block_size: _Optional[int] = ..., runner: _Optional[str] = ..., quantize: _Optional[str] = ..., layer_skip_mode: _Optional[str] = ..., layer_skip_policy: _Optional[str] = ..., layer_skip_policy_state: _Optional[str] = ..., num_layers: _Optional[int] = ..., cpu_kernels: _Optional[str] = ...) -> None: ...
 
 class ServiceDiscoveryRequest(_message.Message):
     __slots__ = ()

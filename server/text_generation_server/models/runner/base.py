@@ -18,6 +18,7 @@ class Runner(Protocol):
     """A model forward over a left-padded batch with a dense KV cache."""
 
     name: str  # reported in Info and logs, e.g. "fast-llama" or "transformers"
+    cpu_kernels: str  # the CPU kernel variant in use (Info), e.g. "avx2"; "none" for torch's ops
     num_layers: int
     vocab_size: int
     dtype: torch.dtype
@@ -36,6 +37,7 @@ class Runner(Protocol):
         last_only: bool = True,
         skip_layers: frozenset[int] = frozenset(),
         bypass_biases: Mapping[int, torch.Tensor] | None = None,
+        head: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the new tokens, append their keys/values to `cache` and advance it.
 
@@ -45,6 +47,8 @@ class Runner(Protocol):
             skip_layers: decoder layer indices to bypass (their cache entries stay None).
             bypass_biases: graceful bypass: a skipped layer with an entry adds it (`[hidden]`,
                 the layer's mean residual update) instead of passing the hidden state through.
+            head: `[n, hidden]` rows of the lm_head to compute instead of the whole head (a
+                verified-mode draft's reduced vocabulary); the logits then have n columns.
         Returns:
             float32 logits.
         """

@@ -1,21 +1,28 @@
-"""Compiled CPU kernels of the fast runner's decode step, built from source on first use.
+"""Compiled CPU kernels of the fast runner, in ISA variants chosen at run time.
 
 Design note: a decode step of a small model on a CPU is the weight stream plus a few hundred
 tiny ops. torch runs the products with 1..16 activation rows far below memory bandwidth (bf16
-at half of it, 8 rows 2.5x slower than 1), RMSNorm as ~8 ops of ~70 us in all, and SDPA at
-~50 us per call. `cpu_kernels.cpp` has one AVX-512 function for each (see its header):
-`small_m_linear`, `rms_norm`, `decode_attention`, and `rope` and `silu_mul`, which fold 4-5
-small ops each into one call; `decode_layer` composes them into a whole Llama-family layer
-for one new token per row, so Python is crossed once per layer. It is compiled with
-`torch.utils.cpp_extension` the first time a runner needs it (~40 s on 2 cores; `make install`
-and the image build do it ahead with `text-generation-server build-kernels`) into
-TGI_KERNEL_DIR (default ~/.cache/tgi-kernels), in a folder named by a hash of the source,
-flags, torch and Python versions; a built module is imported from there without a compiler.
-It runs on torch's own OpenMP team: compiled with -fopenmp but linked against torch's bundled
-libgomp, never the system's, so one thread team serves both.
+at half of it, 8 rows 2.5x slower than 1), RMSNorm as ~8 ops, SDPA at ~50 us per call, and
+bitsandbytes' 4-bit and int8 products as a dequantization of the whole weight before each
+matmul. `cpu_kernels.cpp` and `kernels/*.cpp` have one function for each: weight-streaming
+products (fp32, bf16, bitsandbytes 4-bit and LLM.int8()), `rms_norm`, `decode_attention` (a few
+new queries per row), `rope`, `silu_mul`, and `decode_layer`, a whole Llama-family layer for a
+few new tokens per row, so Python is crossed once per layer.
 
-When the kernels cannot be used, the reason is logged once and the runner uses torch's ops:
-the CPU lacks AVX-512 BF16, there is no C++ compiler, or TGI_CPU_KERNELS=off.
+Variants, as ggml and ATen do it: the kernels are compiled once per ISA level (VARIANTS, best
+first) and the best one the CPU's flags allow is imported, once per process; the log and the
+shard's Info name it. fp32 kernels never use a bf16 instruction (bf16 weights are widened by
+shifts below avx512_bf16), and int8 products use AVX-512 VNNI where the CPU has it. Building
+(`text-generation-server build-kernels`, run by `make install` and the image build; kernel_build.py)
+compiles every variant and imports none, so a build never executes an instruction the CPU lacks.
+Modules live in TGI_KERNEL_DIR (default ~/.cache/tgi-kernels), in a folder named by a hash of
+the sources, flags, torch and Python versions, and are imported from there without a compiler.
+They run on torch's own OpenMP team: linked against torch's bundled libgomp, never the system's.
+
+TGI_CPU_KERNELS: "auto" (default: the best variant), "off" (torch's ops), or a variant name to
+force it (tests run the avx2 variant on AVX-512 machines this way). When the kernels cannot be
+used (another ISA, a forced variant the CPU lacks, no compiler), the reason is logged once and
+the runner uses torch's ops.
 """
 
 from __future__ import annotations
@@ -26,25 +33,79 @@ import importlib.util
 import os
 import platform
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 from loguru import logger
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
-ENV_SWITCH = "TGI_CPU_KERNELS"  # "auto" (default) or "off"
+from . import kernel_build
+
+SOURCE = kernel_build.BINDINGS
+ENV_SWITCH = "TGI_CPU_KERNELS"  # "auto" (default), "off", or a variant name
 ENV_DIR = "TGI_KERNEL_DIR"
-NAME = "tgi_cpu_kernels"
-MAX_ROWS = 16  # kMaxRows in the C++ source
+NAME = kernel_build.NAME
+MAX_ROWS = 16  # kMaxRows in kernels/kernels.h
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One ISA level: the /proc/cpuinfo flags it needs and the compiler flags it is built with."""
+
+    name: str
+    cpu_flags: tuple[str, ...]
+
+    @property
+    def compiler_flags(self) -> tuple[str, ...]:
+        return tuple(f"-m{flag.replace('_', '')}" for flag in self.cpu_flags)
+
+
+_AVX2 = ("avx2", "fma", "f16c")
+_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
+VARIANTS = (  # best first
+    Variant("avx512_bf16", (*_AVX512, "avx512_vnni", "avx512_bf16")),
+    Variant("avx512_vnni", (*_AVX512, "avx512_vnni")),
+    Variant("avx512", _AVX512),
+    Variant("avx2", _AVX2),
+)
+BY_NAME = {variant.name: variant for variant in VARIANTS}
+
+
+class Projection(Protocol):
+    """A weight in one of the kernels' formats with its bias (cpu_kernels.cpp: Projection)."""
+
+    n: int
+    k: int
+    nbytes: int  # what one product reads: weights (codes), scales or absmax blocks, bias
+
+    def __call__(self, x: torch.Tensor, /) -> torch.Tensor:
+        """x `[m, k]` -> `[m, n]` (1..16 rows on the kernels, more on torch's GEMM)."""
+
+
+class ProjectionFactory(Protocol):
+    def dense(self, weight: torch.Tensor, bias: torch.Tensor | None, /) -> Projection: ...
+
+    def four_bit(self, codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, blocksize: int, n: int, k: int,
+                 bias: torch.Tensor | None, /) -> Projection: ...
+
+    def int8(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, threshold: float,
+             /) -> Projection: ...
+
+    def int8_weights(self, codes: torch.Tensor, scales: torch.Tensor, blocksize: int, bias: torch.Tensor | None,
+                     /) -> Projection: ...
+
+
+_Projection = Projection  # the Protocol below has a member of that name
 
 
 class CpuOps(Protocol):
     """The compiled module's functions (float32 and bfloat16; errors name the bad argument)."""
 
     max_rows: int
+    variant: str
+    Projection: ProjectionFactory
 
     def small_m_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, /) -> torch.Tensor:
         """`x [m, k] @ weight[n, k].T (+ bias)` for 1 <= m <= max_rows, both contiguous."""
@@ -54,7 +115,7 @@ class CpuOps(Protocol):
 
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                          scale: float, /) -> torch.Tensor:
-        """q `[rows, 1, heads, dim]` against keys/values `[rows, kv, total, dim]` -> `[rows, 1, heads * dim]`."""
+        """q `[rows, new, heads, dim]` against keys/values `[rows, kv, total, dim]` -> `[rows, new, heads * dim]`."""
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, /) -> torch.Tensor:
         """rope.apply_rope of x `[rows, new, heads, dim]` (a view is fine), returned contiguous."""
@@ -62,16 +123,15 @@ class CpuOps(Protocol):
     def silu_mul(self, gate_up: torch.Tensor, /) -> torch.Tensor:
         """silu(gate) * up of a contiguous fused `[..., 2 * inner]` gate/up output."""
 
-    def decode_layer(self, h: torch.Tensor, in_norm: torch.Tensor, qkv: torch.Tensor, qkv_bias: torch.Tensor | None,
-                     o_proj: torch.Tensor, o_bias: torch.Tensor | None, mlp_norm: torch.Tensor,
-                     gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
-                     down_bias: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int,
-                     cos: torch.Tensor, sin_signed: torch.Tensor, mask: torch.Tensor, heads: int, kv_heads: int,
-                     eps: float, scale: float, /) -> torch.Tensor:
-        """A Llama-family decoder layer for h `[rows, 1, hidden]`; writes cache column `length`."""
+    def decode_layer(self, h: torch.Tensor, in_norm: torch.Tensor, qkv: _Projection, o_proj: _Projection,
+                     mlp_norm: torch.Tensor, gate_up: _Projection, down: _Projection, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, length: int, cos: torch.Tensor, sin_signed: torch.Tensor,
+                     mask: torch.Tensor, heads: int, kv_heads: int, eps: float, scale: float, /) -> torch.Tensor:
+        """A Llama-family decoder layer for h `[rows, new, hidden]`; writes cache columns `length` on."""
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """This CPU's flags from /proc/cpuinfo (empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -82,72 +142,96 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def unavailable_reason() -> str | None:
-    """Why the kernel cannot be used on this machine, or None when it can be built."""
-    switch = os.environ.get(ENV_SWITCH, "auto").lower()
-    if switch not in ("auto", "off"):
-        raise ValueError(f"{ENV_SWITCH}={switch!r} is not one of auto, off")
+def choose(switch: str, flags: set[str], machine: str) -> Variant | str:
+    """The variant to use for switch value `switch` on a CPU with `flags`, or why none is used."""
+    switch = switch.lower()
+    if switch not in ("auto", "off", *BY_NAME):
+        raise ValueError(f"{ENV_SWITCH}={switch!r} is not one of auto, off, {', '.join(BY_NAME)}")
     if switch == "off":
         return f"{ENV_SWITCH}=off"
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"the CPU is {platform.machine()}, the kernel is written for x86-64 AVX-512"
-    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    return None
+    if machine not in ("x86_64", "AMD64"):
+        return f"the CPU is {machine}, the kernels are written for x86-64 (AVX2 or AVX-512)"
+    if switch != "auto":
+        missing = [flag for flag in BY_NAME[switch].cpu_flags if flag not in flags]
+        return f"{ENV_SWITCH}={switch} but the CPU lacks {', '.join(missing)}" if missing else BY_NAME[switch]
+    for variant in VARIANTS:
+        if all(flag in flags for flag in variant.cpu_flags):
+            return variant
+    missing = [flag for flag in VARIANTS[-1].cpu_flags if flag not in flags]
+    return f"the CPU lacks {', '.join(missing)} (the least the kernels need: AVX2, FMA, F16C)"
 
 
-@functools.cache
-def load() -> CpuOps | None:
-    """The compiled kernels, or None when they cannot be used here (the reason is logged once)."""
-    reason = unavailable_reason()
-    if reason is None:
-        try:
-            return build()
-        except Exception as error:  # noqa: BLE001 - any build failure means "use torch", said loudly
-            reason = f"building {SOURCE.name} failed: {str(error).strip().splitlines()[-1] if str(error) else error!r}"
-    logger.warning(f"CPU kernels unavailable ({reason}): the fast runner uses torch's ops, which are slower")
-    return None
+def chosen() -> Variant | str:
+    """The variant this process uses (from TGI_CPU_KERNELS and the CPU), or why none."""
+    return choose(os.environ.get(ENV_SWITCH, "auto"), cpu_flags(), platform.machine())
 
 
-def _flags() -> tuple[list[str], list[str]]:
-    torch_lib = Path(torch.__file__).parent / "lib"
-    cflags = ["-O3", "-fopenmp", "-ffp-contract=off", *(f"-m{flag.replace('_', '')}" for flag in REQUIRED_CPU_FLAGS)]
-    # torch's libgomp (same soname as the one torch loaded): one OpenMP runtime, one team.
-    ldflags = [f"-L{torch_lib}", "-lgomp", f"-Wl,-rpath,{torch_lib}"]
-    return cflags, ldflags
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot be used here, or None when a variant can be built and run."""
+    choice = chosen()
+    return choice if isinstance(choice, str) else None
+
+
+def runnable_variants() -> list[Variant]:
+    """Every variant this CPU can run (tests exercise each of them)."""
+    flags = cpu_flags()
+    return [v for v in VARIANTS if all(f in flags for f in v.cpu_flags)] if platform.machine() == "x86_64" else []
 
 
 def build_dir() -> Path:
-    """Where this source, built with these flags for this torch and Python, lives."""
-    cflags, ldflags = _flags()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *cflags, *ldflags, torch.__version__, sys.version])
-                         .encode()).hexdigest()[:16]
+    """Where these sources, built with these flags for this torch and Python, live."""
+    parts = [path.read_text() for path in kernel_build.sources() if path != kernel_build.BINDINGS]
+    parts += [SOURCE.read_text(), *kernel_build.common_flags(), *kernel_build.link_flags(), torch.__version__,
+              sys.version, *(f"{v.name}:{' '.join(v.compiler_flags)}" for v in VARIANTS)]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     root = Path(os.environ.get(ENV_DIR) or Path.home() / ".cache" / "tgi-kernels")
     return root / f"{NAME}-{key}"
 
 
-def build() -> CpuOps:
-    """The compiled module: imported when built before, else compiled now (any CPU can compile it)."""
+def build(variants: tuple[Variant, ...] = VARIANTS) -> Path:
+    """Compile the variants not built yet (every one by default: compiling runs none of them)."""
     folder = build_dir()
-    built = folder / f"{NAME}.so"  # cpp_extension's name for it
-    # Built before (or baked into an image): no compiler needed. cpp_extension holds `lock`
-    # while a build runs; then the call below waits for that build and loads its result.
-    if built.exists() and not (folder / "lock").exists():
-        spec = importlib.util.spec_from_file_location(NAME, built)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        ops: CpuOps = module
-        return ops
-    from torch.utils.cpp_extension import load as compile_and_load
+    missing = [v for v in variants if not kernel_build.module_path(folder, v.name).exists()]
+    if missing:
+        logger.info(f"Compiling the CPU kernels ({', '.join(v.name for v in missing)}) into {folder} (once)")
+        kernel_build.build(folder, {v.name: v.compiler_flags for v in missing})
+    return folder
 
-    folder.mkdir(parents=True, exist_ok=True)
-    logger.info(f"Compiling {SOURCE.name} into {folder} (once; ~40 s on 2 cores)")
-    cflags, ldflags = _flags()
-    built_module: CpuOps = compile_and_load(name=NAME, sources=[str(SOURCE)], extra_cflags=cflags,
-                                            extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
-    return built_module
+
+@functools.cache
+def load_variant(name: str) -> CpuOps:
+    """Import one variant's module, compiling it first when it is not built. The caller makes sure
+    the CPU can run it (importing a variant the CPU lacks may end the process: SIGILL)."""
+    path = kernel_build.module_path(build((BY_NAME[name],)), name)
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ops: CpuOps = module  # type: ignore[assignment]
+    assert ops.variant == name, f"{path} holds the {ops.variant} variant, not {name}"
+    return ops
+
+
+@functools.cache
+def _load(switch: str) -> CpuOps | None:
+    choice = choose(switch, cpu_flags(), platform.machine())
+    if isinstance(choice, str):
+        reason = choice
+    else:
+        try:
+            ops = load_variant(choice.name)
+            logger.info(f"CPU kernels: the {choice.name} variant ({', '.join(choice.cpu_flags)})")
+            return ops
+        except Exception as error:  # noqa: BLE001 - any build failure means "use torch", said loudly
+            last = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            reason = f"building {SOURCE.name} failed: {last}"
+    logger.warning(f"CPU kernels unavailable ({reason}): the fast runner uses torch's ops, which are slower")
+    return None
+
+
+def load() -> CpuOps | None:
+    """The kernels of the variant TGI_CPU_KERNELS and the CPU choose, or None (the reason is logged once)."""
+    return _load(os.environ.get(ENV_SWITCH, "auto").lower())
 
 
 def linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -10,14 +10,16 @@ fewer, larger ops:
   reading the shared `KVCache` whose append writes in place;
 - logits are computed only for the positions asked for (the tied lm_head is ~20% of the
   weights of the default model);
-- where the CPU has AVX-512 BF16, compiled kernels (cpu_kernels.py) take the decode step's
-  hot spots: products with at most 16 activation rows (every decode step up to batch 16)
-  stream the weights at memory bandwidth, where torch's GEMM reaches half of it in bf16 and
-  slows down 2.5x from 1 to 8 rows in fp32; RMSNorm is one call instead of ~8 ops; the
-  attention of one new token per row replaces SDPA's CPU kernel (~50 us per call); RoPE and
-  silu(gate) * up are one call each. For the Llama family a decode step (one new token per
-  row) runs each decoder layer as one compiled call, `decode_layer`, built of the same
-  pieces: Python is crossed 30 times per step instead of ~750.
+- on x86-64 with AVX2 or AVX-512, compiled kernels (cpu_kernels.py, the variant the CPU runs)
+  take the hot spots of forwards with at most 16 activation rows (rows x new tokens: decode
+  steps up to batch 16, draft verification, short prefills): the products stream the weights
+  once for all rows (fp32, bf16, and bitsandbytes' int8 and 4-bit layouts read as they are,
+  kernel_weights.py), where torch's GEMM reaches half the bandwidth in bf16 and slows down
+  2.5x from 1 to 8 rows in fp32 and bitsandbytes dequantizes every weight per call; RMSNorm,
+  RoPE and silu(gate) * up are one call each; attention of the new tokens against the cache
+  replaces SDPA's CPU kernel (~50 us per call). For the Llama family such a forward runs each
+  decoder layer as one compiled call, `decode_layer`, built of the same pieces: Python is
+  crossed 30 times per forward instead of ~750.
 The layer loop stays in Python, so `skip_layers` is a plain `continue` and an optional
 `torch.compile` of the two per-layer halves (`pre_attention`, `post_attention`) never
 recompiles for a new skip plan: every layer shares the same compiled graphs, with its own
@@ -38,6 +40,7 @@ from loguru import logger
 
 from . import cpu_kernels
 from .fast_weights import ArchSpec, LayerWeights, Projection, norm_weight, read_layer, read_spec, rope_sources
+from .kernel_weights import kernel_layer, log_refusals
 from .kv_cache import KVCache
 from .rope import RopeTable, apply_rope
 
@@ -51,14 +54,19 @@ class FastRunnerConfig:
             dtype copies the weights (used by benchmarks to load once and compare dtypes).
         compile: torch.compile the two halves of a decoder layer (inductor; needs a C
             compiler). The first forward of each shape class compiles (see README-runner).
-        kernels: use the compiled AVX-512 kernels where the CPU has them (cpu_kernels.py);
-            False keeps every op in torch (benchmarks compare both). Not combined with
-            compile, whose graphs call torch.
+        kernels: use the compiled CPU kernels where the CPU has them (cpu_kernels.py: the best
+            ISA variant it runs); False keeps every op in torch (benchmarks compare both). Not
+            combined with compile, whose graphs call torch.
+        int8_head: read the lm_head as weight-only int8 (absmax scales per block of 64 weights,
+            llama.cpp's Q8_0 idea; quantized here from the loaded weights) on the kernels: 1.06
+            bytes per weight instead of 4 (fp32) or 2 (bf16), at the cost of that rounding in
+            every logit (measured in README-runner.md). Off by default: the logits are the model's.
     """
 
     dtype: torch.dtype | None = None
     compile: bool = False
     kernels: bool = True
+    int8_head: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
@@ -77,12 +85,15 @@ class Dims:
     ops: cpu_kernels.CpuOps | None = None
 
 
-def linear(x: torch.Tensor, weight: Projection, bias: torch.Tensor | None, dims: Dims) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Projection | cpu_kernels.Projection, bias: torch.Tensor | None,
+           dims: Dims) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         if dims.ops is not None and cpu_kernels.linear_usable(x, weight):
             out = dims.ops.small_m_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
             return out.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
+    if not isinstance(weight, tuple):  # the kernels' Projection (kernel_weights.py): holds its bias
+        return weight(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], weight.n)
     if len(weight) == 1:  # bitsandbytes module: keeps its own bias and dtype handling
         return weight[0](x).to(x.dtype)
     return torch.cat([module(x) for module in weight], dim=-1).to(x.dtype)
@@ -157,34 +168,28 @@ def post_attention(
 
 
 class FusedLayer(NamedTuple):
-    """A dense Llama-family layer's weights in cpu_kernels' decode_layer argument order."""
+    """A Llama-family layer in cpu_kernels' decode_layer argument order (kernels' Projections)."""
 
     in_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: cpu_kernels.Projection
+    o_proj: cpu_kernels.Projection
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: cpu_kernels.Projection
+    down: cpu_kernels.Projection
 
     @classmethod
-    def of(cls, layer: LayerWeights) -> FusedLayer:
-        norm, qkv, qkv_bias, _, _ = layer.pre
-        o_proj, o_bias, _, mlp_norm, gate_up, gate_up_bias, down, down_bias, _ = layer.post
-        return cls(_dense(norm), _dense(qkv), _optional(qkv_bias), _dense(o_proj), _optional(o_bias), _dense(mlp_norm),
-                   _dense(gate_up), _optional(gate_up_bias), _dense(down), _optional(down_bias))
+    def of(cls, layer: LayerWeights) -> FusedLayer | None:
+        """The layer's arguments, or None when a projection kept bitsandbytes' own product."""
+        norm, qkv, _, _, _ = layer.pre
+        o_proj, _, _, mlp_norm, gate_up, _, down, _, _ = layer.post
+        if any(isinstance(p, (torch.Tensor, tuple)) for p in (qkv, o_proj, gate_up, down)):
+            return None
+        return cls(_dense(norm), qkv, o_proj, _dense(mlp_norm), gate_up, down)  # type: ignore[arg-type]
 
 
 def _dense(weight: object) -> torch.Tensor:
     assert isinstance(weight, torch.Tensor), f"decode_layer needs dense weights, got {type(weight).__name__}"
     return weight
-
-
-def _optional(bias: object) -> torch.Tensor | None:
-    return None if bias is None else _dense(bias)
 
 
 def additive_mask(attention_mask: torch.Tensor, new: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -216,20 +221,26 @@ class FastLlamaRunner:
         self.num_layers = self.spec.num_layers
         self.vocab_size = self.spec.vocab_size
         self.layers: list[LayerWeights] = [read_layer(layer, self.spec, self.dtype) for layer in model.model.layers]
-        # bitsandbytes models keep torch's ops: their products are bnb's own, and int8/nf4
-        # turn the kernels' last-bit differences in RMSNorm into ~0.4 logits.
-        # The kernels take float32 and bfloat16; decided here once, not per op.
-        use_kernels = config.kernels and not config.compile and self._dense() and self.dtype in cpu_kernels.DTYPES
+        # The kernels take float32 and bfloat16 (dense or bitsandbytes); decided here once, not per op.
+        use_kernels = config.kernels and not config.compile and self.dtype in cpu_kernels.DTYPES
         ops = cpu_kernels.load() if use_kernels else None
+        self.cpu_kernels = ops.variant if ops is not None else "none"
+        if ops is not None:
+            refusals: dict[str, str] = {}
+            self.layers = [kernel_layer(lw, ops, self.dtype, refusals) for lw in self.layers]
+            log_refusals(self.name, refusals)
         self.dims = Dims(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
                          self.spec.rms_norm_eps, self.spec.activation == "gelu_tanh", ops)
-        logger.info(f"{self.name}: decode hot spots run on {'the AVX-512 kernels' if ops else 'torch'}")
-        # Decode steps of the Llama family run each layer as one compiled call (decode_layer);
-        # its arguments are gathered here once. Gemma 3's extra norms and GELU stay in Python.
+        logger.info(f"{self.name}: decode hot spots run on "
+                    f"{f'the {ops.variant} CPU kernels' if ops is not None else 'torch'}")
+        # Decode steps and short multi-token forwards of the Llama family run each layer as one
+        # compiled call (decode_layer); its arguments are gathered here once. Gemma 3's extra
+        # norms and GELU stay in Python (on the same kernels).
         self._fused_layers = ([FusedLayer.of(lw) for lw in self.layers]
                               if ops is not None and self.spec.family == "llama" else None)
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
         self.lm_head = model.lm_head.weight.detach().to(self.dtype)  # tied: the same tensor as embed
+        self.head_projection = (int8_head(ops, self.lm_head) if ops is not None and config.int8_head else None)
         self.final_norm = read_final_norm(model, self.spec, self.dtype)
         self.embed_scale = (torch.tensor(self.spec.embed_scale).to(self.dtype)
                             if self.spec.embed_scale is not None else None)
@@ -263,6 +274,7 @@ class FastLlamaRunner:
         last_only: bool = True,
         skip_layers: frozenset[int] = frozenset(),
         bypass_biases: Mapping[int, torch.Tensor] | None = None,
+        head: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rows, new = input_ids.shape
         expected = (rows, cache.length + new)
@@ -284,20 +296,22 @@ class FastLlamaRunner:
         cache.advance(new)
         if last_only:
             h = h[:, -1:]
-        return self._logits(h)
+        return self._logits(h, head)
 
     def _layer(self, index: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
         rows, new, _ = h.shape
         dims = self.dims
-        if new == 1 and self._fused_layers is not None and dims.ops is not None:
+        few = rows * new <= cpu_kernels.MAX_ROWS  # decode steps, draft verification, short prefills
+        fused = self._fused_layers[index] if self._fused_layers is not None and few else None
+        if fused is not None and dims.ops is not None:
             k_cache, v_cache = cache.buffers(index, (rows, dims.num_kv_heads, dims.head_dim), self.dtype,
-                                             cache.length + 1)
-            return dims.ops.decode_layer(h, *self._fused_layers[index], k_cache, v_cache, cache.length, cos, sin,
-                                         mask, dims.num_heads, dims.num_kv_heads, dims.eps, self.spec.attention_scale)
+                                             cache.length + new)
+            return dims.ops.decode_layer(h, *fused, k_cache, v_cache, cache.length, cos, sin, mask, dims.num_heads,
+                                         dims.num_kv_heads, dims.eps, self.spec.attention_scale)
         q, k, v = self._pre(h, cos, sin, *layer.pre, dims)  # [rows, new, heads, head_dim]
         keys, values = cache.append(index, k.transpose(1, 2), v.transpose(1, 2))  # [rows, kv, total, dim]
-        if new == 1 and dims.ops is not None:
+        if few and dims.ops is not None:
             attn = dims.ops.decode_attention(q, keys, values, mask, self.spec.attention_scale)
         else:
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
@@ -305,9 +319,12 @@ class FastLlamaRunner:
             attn = attn.transpose(1, 2).reshape(rows, new, -1)  # [rows, new, heads * head_dim]
         return self._post(h, attn, *layer.post, dims)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
         h = rms_norm(h.contiguous(), self.final_norm, self.dims)
-        logits = linear(h, self.lm_head, None, self.dims)  # [rows, positions, vocab]
+        # A verified-mode draft may pass a reduced head (rows of lm_head, see draft_head.py).
+        if head is None:
+            head = self.head_projection if self.head_projection is not None else self.lm_head
+        logits = linear(h, head, None, self.dims)  # [rows, positions, vocab]
         if self.spec.final_logit_softcap is not None:
             cap = self.spec.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
@@ -325,6 +342,19 @@ class FastLlamaRunner:
         seconds = time.perf_counter() - start
         logger.info(f"{self.name} warm-up (compile={self.config.compile}) took {seconds:.1f} s")
         return seconds
+
+
+INT8_HEAD_BLOCK = 64
+
+
+def int8_head(ops: cpu_kernels.CpuOps, weight: torch.Tensor) -> cpu_kernels.Projection:
+    """The lm_head `[vocab, hidden]` as weight-only int8: per block of 64 weights of a row,
+    codes round(w * 127 / absmax) and scale absmax / 127."""
+    vocab, hidden = weight.shape
+    blocks = weight.float().view(vocab, hidden // INT8_HEAD_BLOCK, INT8_HEAD_BLOCK)
+    scales = (blocks.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-30)  # [vocab, blocks, 1]
+    codes = torch.round(blocks / scales).to(torch.int8).view(vocab, hidden)
+    return ops.Projection.int8_weights(codes, scales.reshape(-1).contiguous(), INT8_HEAD_BLOCK, None)
 
 
 def _model_dtype(model: Any) -> torch.dtype:

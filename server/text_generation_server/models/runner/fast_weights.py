@@ -8,8 +8,9 @@ and the fallback runner and the layer-skip identity map see the same weights.
   into one `[2 * intermediate, hidden]` matrix. When the dtype does not change, the original
   modules' parameters are re-pointed at row slices of the fused matrix (same values), so the
   fused copy costs no extra memory and the transformers model keeps working.
-- bitsandbytes linears (`Linear8bitLt`, `Linear4bit`) are kept as modules and called as they
-  are: their packed weights cannot be concatenated without re-quantizing.
+- bitsandbytes linears (`Linear8bitLt`, `Linear4bit`) are kept as modules here; with the CPU
+  kernels, kernel_weights.py reads their packed weights as they are (and fuses them), else they
+  are called as they are.
 - Gemma's RMSNorm multiplies by `1 + weight`: the `1 +` is folded in here, once.
 """
 

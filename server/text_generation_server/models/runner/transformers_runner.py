@@ -26,6 +26,7 @@ class TransformersRunner:
         self.config = model.config
         text_config = model.config.get_text_config()
         self.num_layers = int(text_config.num_hidden_layers)
+        self.cpu_kernels = "none"  # transformers' own modules
         self.vocab_size = int(text_config.vocab_size)
         self.dtype = model.dtype
         self.device = model.device
@@ -43,7 +44,10 @@ class TransformersRunner:
         last_only: bool = True,
         skip_layers: frozenset[int] = frozenset(),
         bypass_biases: Mapping[int, torch.Tensor] | None = None,
+        head: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if head is not None:
+            raise ValueError("the transformers fallback runner has no reduced draft head; use the fast runner")
         if skip_layers:
             raise ValueError(
                 f"the transformers fallback runner cannot skip layers {sorted(skip_layers)}; "

@@ -1,0 +1,248 @@
+"""`layerskip calibrate --objective verified`: the skip set and draft head size that pay, per prompt class.
+
+Design note. Verified mode is lossless, so its policy is chosen by speed alone, and speed is
+arithmetic on acceptance (which is not noisy) and the cost model (models/cost_model.py):
+1. per prompt, greedy decoding with the full model; at every position each candidate skip set
+   runs one draft forward from the full model's cache (exactly what a cycle's first draft sees),
+   and its top candidates are kept. A draft over the first V ranked ids is accepted when its
+   argmax over those ids equals the full model's next token, so every head size is scored from
+   the same forward. N-gram (prompt-lookup) proposals are scored on the same positions;
+2. the draft vocabulary ranking counts the tokens of the calibration prompts and their greedy
+   continuations (layerskip/draft.py);
+3. per prompt and configuration (skip set S, head size V), the expected speed-up is the cost
+   model's best over the draft length k given that prompt's acceptance;
+4. rules: the default rule takes the configuration with the best mean speed over all
+   calibration prompts; then, greedily (up to MAX_RULES), a class whose own best configuration
+   differs gets a rule if one detector condition (feature op threshold) routes prompts to it
+   and raises the mean speed by more than MIN_GAIN. So the detector earns rules only where its
+   scores tell the classes apart, which is what the evidence reports.
+The held-out split is measured the same way and reported beside the calibration figures.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from text_generation_server.layerskip import (
+    Calibration,
+    Condition,
+    DraftSettings,
+    DraftVocab,
+    Policy,
+    Rule,
+    RuleTable,
+    detect,
+)
+from text_generation_server.layerskip.detector import FEATURES
+from text_generation_server.models.cost_model import CostModel
+from text_generation_server.models.draft_head import DraftHeads
+from text_generation_server.models.ngram import lookup
+
+from .engine import Engine
+from .output import progress, spearman
+from .prompts import Prompt
+
+TOP = 256  # draft candidates kept per position (a reduced head's argmax is the first of them it holds)
+MAX_RULES = 3
+MIN_GAIN = 0.01
+NGRAM_DRAFTS = 6
+
+Config = tuple[int, int]  # (index into the skip sets, head size; 0 = full head)
+
+
+@dataclass
+class PromptRun:
+    """One prompt's positions: the full model's tokens and each skip set's draft candidates."""
+
+    prompt: Prompt
+    scores: dict[str, float]
+    tokens: list[int]  # the full model's greedy continuation
+    candidates: list[torch.Tensor] = field(default_factory=list)  # per skip set: [positions, TOP] ids
+    ngram_hits: int = 0
+    ngram_drafted: int = 0
+    ngram_cycles: int = 0
+
+    def acceptance(self, skip_index: int, head_ids: set[int] | None) -> float:
+        """Share of positions whose draft (head restricted to `head_ids`) equals the next token."""
+        cands = self.candidates[skip_index]
+        if not len(cands):
+            return 0.0
+        hits = 0
+        for position, row in enumerate(cands.tolist()):
+            pick = row[0] if head_ids is None else next((t for t in row if t in head_ids), -1)
+            hits += int(pick == self.tokens[position + 1])
+        return hits / len(cands)
+
+
+def run_prompt(engine: Engine, prompt: Prompt, skip_sets: Sequence[frozenset[int]], new_tokens: int) -> PromptRun:
+    """Greedy decoding with a draft forward per skip set at every position (see module docstring)."""
+    runner = engine.runner
+    assert runner is not None, "calibrate --objective verified needs the fast runner"
+    ids = prompt.render(engine.tokenizer)
+    n = int(ids.shape[0])
+    cache = runner.new_cache(1)
+    logits = runner.forward(ids[None], torch.arange(n)[None], torch.ones((1, n), dtype=torch.long), cache)[0, -1]
+    tokens = [int(logits.argmax())]
+    per_set: list[list[torch.Tensor]] = [[] for _ in skip_sets]
+    while len(tokens) < new_tokens and tokens[-1] not in engine.eos_ids:
+        length = cache.length
+        position, mask = torch.tensor([[length]]), torch.ones((1, length + 1), dtype=torch.long)
+        token = torch.tensor([[tokens[-1]]])
+        for i, skip in enumerate(skip_sets):
+            draft = runner.forward(token, position, mask, cache, skip_layers=skip)[0, -1]
+            per_set[i].append(draft.topk(TOP).indices)
+            cache.crop(length)
+        logits = runner.forward(token, position, mask, cache)[0, -1]
+        tokens.append(int(logits.argmax()))
+    run = PromptRun(prompt, detect(engine.embed(ids), engine_detector()).as_dict(), tokens,
+                    [torch.stack(c) if c else torch.zeros((0, TOP), dtype=torch.long) for c in per_set])
+    _score_ngrams(run, ids.tolist())
+    return run
+
+
+def engine_detector() -> Any:
+    from text_generation_server.layerskip import DetectorConfig
+
+    return DetectorConfig()
+
+
+def _score_ngrams(run: PromptRun, prompt_ids: list[int]) -> None:
+    """Cycles the n-gram drafter would run over this continuation: proposals, hits, cycles."""
+    context, t = list(prompt_ids) + run.tokens[:1], 1
+    while t < len(run.tokens):
+        proposal = lookup(context, NGRAM_DRAFTS)
+        kept = 0
+        while kept < len(proposal) and t + kept < len(run.tokens) and proposal[kept] == run.tokens[t + kept]:
+            kept += 1
+        if proposal:
+            run.ngram_cycles += 1
+            run.ngram_drafted += len(proposal)
+            run.ngram_hits += kept
+        step = kept + 1
+        context += run.tokens[t: t + step]
+        t += step
+
+
+def ranking(runs: list[PromptRun], engine: Engine, vocab_size: int) -> DraftVocab:
+    """Token ids by count in the prompts and continuations, then the rest by id (draft.py)."""
+    counts: dict[int, int] = {}
+    for run in runs:
+        for token in [*run.prompt.render(engine.tokenizer).tolist(), *run.tokens]:
+            counts[token] = counts.get(token, 0) + 1
+    first = sorted(engine.eos_ids) + sorted(counts, key=lambda t: (-counts[t], t))
+    seen = list(dict.fromkeys(t for t in first if t < vocab_size))
+    rest = sorted(set(range(vocab_size)) - set(seen))
+    total = sum(counts.values())
+    return DraftVocab(tuple(seen + rest), f"{len(runs)} calibration prompts + greedy continuations, {total} tokens, "
+                                          f"{len(counts)} distinct; then the remaining ids in id order")
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Per prompt and configuration: acceptance and the cost model's best speed-up."""
+
+    acceptance: dict[Config, list[float]]
+    speed: dict[Config, list[float]]
+
+
+def score(runs: list[PromptRun], skip_sets: Sequence[frozenset[int]], sizes: Sequence[int], vocab: DraftVocab,
+          cost: CostModel) -> Scored:
+    acceptance: dict[Config, list[float]] = {}
+    speed: dict[Config, list[float]] = {}
+    for i, skip in enumerate(skip_sets):
+        for size in sizes:
+            head = None if size == 0 else set(vocab.token_ids[:size])
+            values = [r.acceptance(i, head) for r in runs]
+            acceptance[(i, size)] = values
+            speed[(i, size)] = [cost.best_k(a, skip, size)[1] for a in values]
+    return Scored(acceptance, speed)
+
+
+def routed_speed(runs: list[PromptRun], scored: Scored, rules: list[tuple[Condition, Config]],
+                 default: Config) -> float:
+    """Mean speed-up when each prompt takes the first matching rule's configuration."""
+    total = 0.0
+    for p, run in enumerate(runs):
+        config = next((c for cond, c in rules if cond.holds(run.scores)), default)
+        total += max(scored.speed[config][p], 1.0) if config[0] >= 0 else 1.0
+    return total / len(runs)
+
+
+def choose_rules(runs: list[PromptRun], scored: Scored) -> tuple[Config, list[tuple[Condition, Config, str]]]:
+    """The default configuration and the detector rules that pay (see module docstring)."""
+    configs = list(scored.speed)
+    default = max(configs, key=lambda c: float(np.mean(scored.speed[c])))
+    rules: list[tuple[Condition, Config, str]] = []
+    classes = sorted({r.prompt.category for r in runs})
+    for _ in range(MAX_RULES):
+        base = routed_speed(runs, scored, [(c, k) for c, k, _ in rules], default)
+        best: tuple[float, Condition, Config, str] | None = None
+        for name in classes:
+            members = [p for p, r in enumerate(runs) if r.prompt.category == name]
+            own = max(configs, key=lambda c: float(np.mean([scored.speed[c][p] for p in members])))
+            if own == default or any(k == own for _, k, _ in rules):
+                continue
+            for feature in FEATURES:
+                values = sorted({r.scores[feature] for r in runs})
+                for low, high in zip(values, values[1:], strict=False):
+                    for op in ("<", ">="):
+                        cond = Condition(feature, op, (low + high) / 2)
+                        gain = routed_speed(runs, scored, [(c, k) for c, k, _ in rules] + [(cond, own)], default) - base
+                        if gain > MIN_GAIN and (best is None or gain > best[0]):
+                            best = (gain, cond, own, name)
+        if best is None:
+            break
+        rules.append((best[1], best[2], best[3]))
+    return default, rules
+
+
+def policy_table(num_layers: int, skip_sets: Sequence[frozenset[int]], scored: Scored, default: Config,
+                 rules: list[tuple[Condition, Config, str]]) -> RuleTable:
+    def settings(config: Config) -> tuple[frozenset[int], DraftSettings]:
+        accepted = float(np.mean(scored.acceptance[config]))
+        return skip_sets[config[0]], DraftSettings(config[1], round(accepted, 4))
+
+    made = [Rule(name, (cond,), *settings(config)) for cond, config, name in rules]
+    return RuleTable(tuple(made), Rule("default", (), *settings(default)), num_layers)
+
+
+def build_policy(engine: Engine, table: RuleTable, vocab: DraftVocab, dataset: str, sha256: str,
+                 skip_rate: float) -> Policy:
+    from text_generation_server.layerskip import DetectorConfig
+
+    needed = max([r.draft.vocab for r in (*table.rules, table.default)] + [1])
+    kept = DraftVocab(vocab.token_ids[:needed], vocab.source)
+    calibration = Calibration(dataset=dataset, dataset_sha256=sha256, consistency=1.0, skip_rate=skip_rate,
+                              date=datetime.date.today().isoformat())
+    return Policy.from_table(engine.identity, table, calibration=calibration, detector=DetectorConfig(),
+                             objective="verified", draft_vocab=kept)
+
+
+def detector_value(runs: list[PromptRun], scored: Scored, config: Config) -> dict[str, Any]:
+    """Spearman of each detector feature against per-prompt acceptance under `config`."""
+    values = scored.acceptance[config]
+    rhos = {f: spearman([r.scores[f] for r in runs], values) for f in FEATURES}
+    finite = {k: v for k, v in rhos.items() if not np.isnan(v)}
+    best = max(finite, key=lambda k: abs(finite[k])) if finite else None
+    verdict = ("no detector feature varies with acceptance" if best is None else
+               f"best |rho|: {best} {finite[best]:+.2f} over {len(runs)} prompts ("
+               + ("predictive" if abs(finite[best]) >= 0.3 else "does not predict acceptance") + ")")
+    return {"spearman": rhos, "verdict": verdict}
+
+
+def heads_for(engine: Engine, vocab: DraftVocab, sizes: Sequence[int]) -> DraftHeads:
+    heads = DraftHeads(vocab, getattr(engine.runner, "lm_head", None))
+    for size in sizes:
+        heads.reserve(size)
+    return heads
+
+
+def measure_runs(engine: Engine, prompts: list[Prompt], skip_sets: Sequence[frozenset[int]], new_tokens: int,
+                 label: str) -> list[PromptRun]:
+    return [run_prompt(engine, p, skip_sets, new_tokens) for p in progress(prompts, label)]

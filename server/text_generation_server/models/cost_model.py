@@ -1,0 +1,189 @@
+"""The draft/verify cost model of verified mode, measured on the loaded runner.
+
+Design note. Whether drafting pays is arithmetic on three measured costs:
+- a full forward of T new tokens (T = rows x tokens per row): a plain step is T = rows, a
+  verification of k drafts is T = rows x (k + 1). On a memory-bound runner T = 2..8 costs
+  about one step (the weights are streamed once); on one whose multi-token products leave the
+  fast path it costs several. `forward_s` is measured at a ladder of T and interpolated, so a
+  faster multi-token path (the CPU kernels' verification) is picked up by measuring, not coded;
+- a draft forward of a configuration (skipped layers + head size) at 1 and at 4 rows, measured
+  for every configuration the policy's rules name, and estimated for others from the measured
+  per-layer and lm_head costs;
+- with a per-draft acceptance a, a cycle of k drafts yields (1 - a^(k+1)) / (1 - a) tokens.
+Speed-up of a cycle = tokens x step(rows) / (k x draft(rows) + forward(rows x (k + 1))).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from .draft_head import DraftHeads
+from .runner.base import Runner
+from .runner.kv_cache import KVCache
+
+MAX_DRAFT = 6  # the largest k without --speculate; Info.speculate reports the limit in force
+TOKEN_LADDER = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 28)  # new tokens per measured forward
+DRAFT_ROWS = (1, 4)
+
+DraftKey = tuple[frozenset[int], int]  # (layers bypassed, head size; 0 = the full head)
+
+
+def tokens_per_cycle(acceptance: float, k: int) -> float:
+    """Expected tokens of a cycle with k drafts at per-draft acceptance a (the bonus included)."""
+    a = min(max(acceptance, 0.0), 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    if x <= xs[0]:
+        return ys[0] * x / xs[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            return ys[i - 1] + w * (ys[i] - ys[i - 1])
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])  # beyond the ladder: the last segment's slope
+    return ys[-1] + slope * (x - xs[-1])
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of forwards on the loaded runner (see module docstring).
+
+    Attributes:
+        tokens / forward_s: a full forward of `tokens[i]` new tokens takes `forward_s[i]`.
+        layer_s: what bypassing one layer saves in a one-token forward.
+        head_s: the full lm_head's share of a one-token forward.
+        vocab_size: rows of the full lm_head.
+        drafts: measured draft forwards, (skip, head size) -> seconds at 1 and at 4 rows.
+    """
+
+    tokens: tuple[int, ...]
+    forward_s: tuple[float, ...]
+    layer_s: float
+    head_s: float = 0.0
+    vocab_size: int = 1
+    drafts: dict[DraftKey, tuple[float, float]] = field(default_factory=dict)
+
+    @staticmethod
+    def flat(step_s: float, verify_s: tuple[float, ...], layer_s: float) -> CostModel:
+        """A cost model from batch-1 figures: `verify_s[n - 1]` is a forward of n tokens."""
+        return CostModel(tuple(range(1, len(verify_s) + 1)), tuple(verify_s), layer_s, 0.0, 1)
+
+    @property
+    def step_s(self) -> float:
+        return self.full_s(1)
+
+    @property
+    def verify_s(self) -> tuple[float, ...]:
+        """Forwards of 1 .. MAX_DRAFT + 1 tokens at batch 1 (for logs and reports)."""
+        return tuple(self.full_s(n) for n in range(1, MAX_DRAFT + 2))
+
+    def full_s(self, num_tokens: int) -> float:
+        return max(_interpolate(self.tokens, self.forward_s, num_tokens), 1e-9)
+
+    def draft_s(self, rows: int, skip: frozenset[int], vocab: int) -> float:
+        """One draft forward of `rows` rows with `skip` bypassed and a head of `vocab` rows."""
+        measured = self.drafts.get((skip, vocab))
+        if measured is not None:
+            one, four = measured
+            return max(one + (four - one) * (rows - 1) / 3, 1e-9)
+        saved = self.layer_s * len(skip)
+        if 0 < vocab < self.vocab_size:
+            saved += self.head_s * (1 - vocab / self.vocab_size)
+        fraction = max(1 - saved / self.step_s, 0.05)
+        return self.full_s(rows) * fraction
+
+    def cycle_s(self, rows: int, num_drafts: int, draft: float, verify_tokens: int) -> float:
+        """A cycle: `num_drafts` draft forwards of `draft` s, then verification of `verify_tokens` per row."""
+        return num_drafts * draft + self.full_s(rows * (verify_tokens + 1))
+
+    def speedup(self, k: int, acceptance: float, num_skipped: int | frozenset[int], vocab: int = 0,
+                rows: int = 1) -> float:
+        """Expected tokens/s of k-draft cycles relative to plain decoding (one row's view)."""
+        skip = num_skipped if isinstance(num_skipped, frozenset) else frozenset(range(num_skipped))
+        if k == 0:
+            return 1.0
+        cycle = self.cycle_s(rows, k, self.draft_s(rows, skip, vocab), k)
+        return tokens_per_cycle(acceptance, k) * self.full_s(rows) / cycle
+
+    def best_k(self, acceptance: float, num_skipped: int | frozenset[int], vocab: int = 0, rows: int = 1,
+               max_draft: int = MAX_DRAFT) -> tuple[int, float]:
+        """The draft length in 1..max_draft with the highest expected speed-up, and that speed-up."""
+        speeds = {k: self.speedup(k, acceptance, num_skipped, vocab, rows) for k in range(1, max_draft + 1)}
+        k = max(speeds, key=lambda key: speeds[key])
+        return k, speeds[k]
+
+    def best_free_k(self, acceptance: float, rows: int = 1, max_draft: int = MAX_DRAFT) -> tuple[int, float]:
+        """Like best_k for drafts that cost nothing to make (n-gram): 0 when none pays."""
+        speeds = {k: tokens_per_cycle(acceptance, k) * self.full_s(rows) / self.full_s(rows * (k + 1))
+                  for k in range(1, max_draft + 1)}
+        k = max(speeds, key=lambda key: speeds[key])
+        return (k, speeds[k]) if speeds[k] > 1.0 else (0, 1.0)
+
+    def to_json(self) -> dict[str, object]:
+        return {"forward_ms": {str(t): s * 1000 for t, s in zip(self.tokens, self.forward_s, strict=True)},
+                "step_ms": self.step_s * 1000, "verify_ms": [s * 1000 for s in self.verify_s],
+                "verify_over_step": [s / self.step_s for s in self.verify_s],
+                "layer_ms": self.layer_s * 1000, "head_ms": self.head_s * 1000,
+                "drafts": [{"skip": sorted(skip), "vocab": vocab, "ms_1_row": one * 1000, "ms_4_rows": four * 1000,
+                            "draft_over_step": one / self.step_s}
+                           for (skip, vocab), (one, four) in self.drafts.items()]}
+
+    @classmethod
+    def measure(cls, runner: Runner, draft_configs: Iterable[DraftKey] = (), heads: DraftHeads | None = None,
+                repeats: int = 3, context: int = 64, max_tokens: int = 4 * (MAX_DRAFT + 1)) -> CostModel:
+        """Time full forwards along TOKEN_LADDER and each draft configuration (medians of repeats)."""
+        timer = _Timer(runner, repeats, context)
+        ladder = tuple(t for t in TOKEN_LADDER if t <= max_tokens) or (1, 2)
+        forward = tuple(timer.time(1, t) for t in ladder)
+        half = frozenset(range(1, runner.num_layers - 1, 2))
+        layer_s = max(forward[0] - timer.time(1, 1, half), 0.0) / max(len(half), 1)
+        lm_head = getattr(runner, "lm_head", None)
+        head_s = 0.0
+        if isinstance(lm_head, torch.Tensor):
+            tiny = lm_head[:64].contiguous()
+            head_s = max(forward[0] - timer.time(1, 1, head=tiny), 0.0)
+        drafts: dict[DraftKey, tuple[float, float]] = {}
+        for skip, vocab in dict.fromkeys(draft_configs):
+            head = heads.get(vocab) if heads is not None else None
+            weight = head.weight if head is not None else None
+            drafts[(skip, vocab)] = (timer.time(1, 1, skip, weight), timer.time(4, 1, skip, weight))
+        vocab_size = int(lm_head.shape[0]) if isinstance(lm_head, torch.Tensor) else runner.vocab_size
+        return cls(ladder, forward, layer_s, head_s, vocab_size, drafts)
+
+
+class _Timer:
+    """Median time of one forward of `new` tokens per row after a `context`-token prefix."""
+
+    def __init__(self, runner: Runner, repeats: int, context: int) -> None:
+        self.runner, self.repeats, self.context = runner, repeats, context
+        self.caches: dict[int, KVCache] = {}  # one prefilled context per row count (a prefill is costly)
+
+    def _cache(self, rows: int) -> KVCache:
+        cache = self.caches.get(rows)
+        if cache is None:
+            context = self.context
+            cache = self.caches[rows] = self.runner.new_cache(rows)
+            ids = torch.zeros((rows, context), dtype=torch.long)
+            mask = torch.ones((rows, context), dtype=torch.long)
+            self.runner.forward(ids, torch.arange(context).repeat(rows, 1), mask, cache)
+        return cache
+
+    def time(self, rows: int, new: int, skip: frozenset[int] = frozenset(), head: torch.Tensor | None = None) -> float:
+        runner, context = self.runner, self.context
+        times = []
+        repeats = self.repeats if rows * new <= 8 else 1  # the large forwards only set the slope
+        cache = self._cache(rows)
+        for _ in range(repeats):
+            cache.crop(context)
+            start = time.perf_counter()
+            runner.forward(torch.zeros((rows, new), dtype=torch.long),
+                           torch.arange(context, context + new).repeat(rows, 1),
+                           torch.ones((rows, context + new), dtype=torch.long), cache, last_only=False,
+                           skip_layers=skip, head=head)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]

@@ -1,0 +1,206 @@
+"""Draft control: per cycle, which drafter each row uses and how many drafts; after it, what was learnt.
+
+Design note. Three levels decide, all from the measured cost model and measured acceptance:
+- per cycle and group (`plan_cycle`): each speculating row first tries an n-gram match (free
+  drafts, length chosen by its n-gram acceptance); rows without one use the draft model, and
+  the group's model-draft length k (0 = none) is the one that maximises the group's expected
+  tokens per second, plain decoding included as k = 0. So a batch where drafting does not pay
+  (costly verification of rows x (k + 1) tokens) simply decodes plainly;
+- per rule, across requests (`RuleStats`): acceptance pooled over every request of a rule,
+  starting from the policy's calibrated acceptance as a prior. When a rule's expected speed at
+  batch 1 falls below plain decoding after MIN_RULE_CYCLES cycles, its model drafting is
+  disabled for new requests (logged once); one new request in PROBE_EVERY still drafts, so the
+  rule is re-enabled when its acceptance recovers;
+- per request (the floor, "auto-off"): a request whose own acceptance (with its rule's as the
+  prior) makes its drafting slower than plain decoding after MIN_CYCLES_BEFORE_AUTO_OFF cycles
+  stops model drafting; its n-gram drafts go on when they pay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loguru import logger
+
+from .batch import RequestState
+from .cost_model import MAX_DRAFT, CostModel, tokens_per_cycle
+from .ngram import lookup
+from .speculative import MIN_CYCLES_BEFORE_AUTO_OFF, Counts, SpecState
+
+MAX_SPECULATE = 16  # --speculate limit (a verification of 17 tokens per row)
+MIN_RULE_CYCLES = 16
+PROBE_EVERY = 16
+UNKNOWN_PRIOR = 0.6  # a rule without a calibrated acceptance: optimistic enough to be tried
+NGRAM_PRIOR = 0.5
+REQUEST_PRIOR_WEIGHT = 4.0  # the rule's estimate counts as this many observed drafts of a request
+DECAY_AT = 512  # pooled counts are halved past this many cycles (recent requests weigh more)
+
+
+@dataclass(frozen=True)
+class SpeculateConfig:
+    """Speculation settings of a shard.
+
+    Attributes:
+        speculate: upstream's `--speculate N`: n-gram drafts of up to N tokens per step for every
+            request (off and shadow too), and N the longest draft of verified mode as well.
+            None (not given): n-gram drafts only in verified mode, drafts up to MAX_DRAFT.
+    """
+
+    speculate: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculate is not None and not 1 <= self.speculate <= MAX_SPECULATE:
+            raise ValueError(f"--speculate {self.speculate}: use 1..{MAX_SPECULATE} draft tokens per step")
+
+    @property
+    def max_draft(self) -> int:
+        return self.speculate or MAX_DRAFT
+
+    @property
+    def ngram_for_all(self) -> bool:
+        return self.speculate is not None
+
+
+@dataclass
+class RuleRecord:
+    """One rule's pooled model-draft statistics."""
+
+    prior: float
+    counts: Counts = field(default_factory=Counts)
+    disabled: bool = False
+    admitted_while_disabled: int = 0
+
+    def estimate(self) -> float:
+        return self.counts.estimate(self.prior, REQUEST_PRIOR_WEIGHT)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.counts.record(drafted, accepted)
+        if self.counts.cycles > DECAY_AT:
+            c = self.counts
+            self.counts = Counts(c.cycles // 2, c.drafted // 2, c.accepted // 2, c.rejections // 2)
+
+
+@dataclass(frozen=True)
+class CyclePlan:
+    """What a group's next cycle does: per row its copied drafts, and the model-draft length."""
+
+    ngram: list[list[int]]  # per row, in group order; empty = none
+    model_k: int  # draft forwards for the rows without copied drafts (0: none)
+    model_rows: list[bool]  # per row: takes the model's drafts
+    vocab: int = 0  # the model drafts' head size (0: the full head)
+
+    @property
+    def drafts_anything(self) -> bool:
+        return self.model_k > 0 or any(self.ngram)
+
+
+class DraftController:
+    """Draft decisions of one CausalLM (see module docstring)."""
+
+    def __init__(self, costs: Callable[[], CostModel], max_draft: int, ngram: bool) -> None:
+        self.costs = costs
+        self.max_draft = max_draft
+        self.ngram = ngram  # n-gram drafts for speculating requests
+        self.force = False  # benchmarks/tests: always draft (no pay check, no auto-off)
+        self.rules: dict[str, RuleRecord] = {}
+
+    def rule(self, name: str, prior: float | None) -> RuleRecord:
+        record = self.rules.get(name)
+        if record is None:
+            record = self.rules[name] = RuleRecord(UNKNOWN_PRIOR if prior is None else prior)
+        return record
+
+    def admits(self, name: str, prior: float | None) -> bool:
+        """Whether a new request of rule `name` drafts with the model (disabled rules: probes only)."""
+        record = self.rule(name, prior)
+        if not record.disabled or self.force:
+            return True
+        record.admitted_while_disabled += 1
+        return record.admitted_while_disabled % PROBE_EVERY == 0
+
+    def acceptance(self, spec: SpecState) -> float:
+        prior = self.rules[spec.rule].estimate() if spec.rule in self.rules else UNKNOWN_PRIOR
+        return spec.model.estimate(prior, REQUEST_PRIOR_WEIGHT)
+
+    def plan_cycle(self, states: list[RequestState], draft_skip: frozenset[int]) -> CyclePlan:
+        """The group's next cycle (rows in group order)."""
+        cost, rows = self.costs(), len(states)
+        ngram = [self._ngram(s, cost, rows) for s in states]
+        model_rows = [s.spec is not None and s.spec.model_drafting and not ng and bool(draft_skip)
+                      for s, ng in zip(states, ngram, strict=True)]
+        if not any(model_rows):
+            return self._worth_it(CyclePlan(ngram, 0, model_rows), states, cost)
+        vocab = max((s.spec.vocab for s, m in zip(states, model_rows, strict=True) if m and s.spec), default=0)
+        if any(s.spec.vocab == 0 for s, m in zip(states, model_rows, strict=True) if m and s.spec):
+            vocab = 0  # a row asking for the full head gets it (a larger head is never less exact)
+        draft = cost.draft_s(rows, draft_skip, vocab)
+        longest_copy = max((len(ng) for ng in ngram), default=0)
+
+        def rate(k: int) -> float:
+            tokens = sum(self._expected(s, ng, k if m else 0)
+                         for s, ng, m in zip(states, ngram, model_rows, strict=True))
+            return tokens / cost.cycle_s(rows, k, draft, max(k, longest_copy))
+
+        candidates = range(1 if self.force else 0, self.max_draft + 1)
+        best = max(candidates, key=rate)
+        return self._worth_it(CyclePlan(ngram, best, model_rows, vocab), states, cost)
+
+    def _ngram(self, state: RequestState, cost: CostModel, rows: int) -> list[int]:
+        spec = state.spec
+        if spec is None or not self.ngram:
+            return []
+        k = self.max_draft if self.force else cost.best_free_k(spec.ngram.estimate(NGRAM_PRIOR), rows,
+                                                                self.max_draft)[0]
+        return lookup(state.all_ids, k)
+
+    def _expected(self, state: RequestState, copied: list[int], model_k: int) -> float:
+        spec = state.spec
+        if spec is None:
+            return 1.0
+        if copied:
+            return tokens_per_cycle(spec.ngram.estimate(NGRAM_PRIOR), len(copied))
+        return tokens_per_cycle(self.acceptance(spec), model_k) if model_k else 1.0
+
+    def _worth_it(self, plan: CyclePlan, states: list[RequestState], cost: CostModel) -> CyclePlan:
+        """Drop copied drafts when the cycle they cost is slower than a plain step (batch effects)."""
+        if self.force or not any(plan.ngram) or plan.model_k:
+            return plan
+        rows = len(states)
+        tokens = sum(self._expected(s, ng, 0) for s, ng in zip(states, plan.ngram, strict=True))
+        longest = max(len(ng) for ng in plan.ngram)
+        if tokens / cost.full_s(rows * (longest + 1)) > rows / cost.full_s(rows):
+            return plan
+        return CyclePlan([[] for _ in states], 0, plan.model_rows)
+
+    def record(self, state: RequestState, source: str, drafted: int, accepted: int) -> bool:
+        """Count one row's cycle; True when the request's model drafting should stop (auto-off)."""
+        spec = state.spec
+        if spec is None or drafted == 0:
+            return False
+        if source == "ngram":
+            spec.ngram.record(drafted, accepted)
+            return False
+        spec.model.record(drafted, accepted)
+        spec.k = drafted
+        rule = self.rule(spec.rule, None)
+        rule.record(drafted, accepted)
+        self._judge_rule(spec.rule, rule, spec)
+        if self.force or spec.model.cycles < MIN_CYCLES_BEFORE_AUTO_OFF:
+            return False
+        _, speedup = self.costs().best_k(self.acceptance(spec), spec.skip, spec.vocab, 1, self.max_draft)
+        return speedup < 1.0
+
+    def _judge_rule(self, name: str, rule: RuleRecord, spec: SpecState) -> None:
+        if rule.counts.cycles < MIN_RULE_CYCLES or self.force:
+            return
+        _, speedup = self.costs().best_k(rule.estimate(), spec.skip, spec.vocab, 1, self.max_draft)
+        if speedup < 1.0 and not rule.disabled:
+            rule.disabled = True
+            logger.warning(f"Layer-skip rule {name!r}: measured acceptance {rule.estimate():.2f} makes drafting "
+                           f"{speedup:.2f}x plain decoding; its drafting is off for new requests (probing 1 in "
+                           f"{PROBE_EVERY})")
+        elif speedup >= 1.0 and rule.disabled:
+            rule.disabled = False
+            logger.info(f"Layer-skip rule {name!r}: acceptance recovered to {rule.estimate():.2f} "
+                        f"({speedup:.2f}x plain decoding); drafting is on again")

@@ -1,0 +1,111 @@
+"""Compiling the CPU kernels' variants with the C++ compiler directly (no import while building).
+
+Design note: a variant is the kernels (kernels/*.cpp) compiled with its own -m flags and linked
+with the bindings (cpu_kernels.cpp, compiled once with baseline flags: it holds no vector code)
+into its own module `<folder>/<variant>/tgi_cpu_kernels.so`. Compiling never executes what it
+compiles, so one machine builds every variant (an image built on one host serves on another),
+and importing is left to cpu_kernels.load, which imports only a variant the CPU can run: the
+old build imported its single AVX-512 module right after compiling it, and died with
+"Illegal instruction" on CPUs without AVX-512. Objects are compiled in parallel; a module
+appears under its final name only when complete (written to a temporary name, then renamed),
+and a file lock keeps two processes from building the same folder at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shlex
+import shutil
+import subprocess
+import sysconfig
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+NAME = "tgi_cpu_kernels"  # the Python module name every variant's .so defines
+HERE = Path(__file__).parent
+BINDINGS = HERE / "cpu_kernels.cpp"
+KERNEL_DIR = HERE / "kernels"
+
+
+def sources() -> list[Path]:
+    """Every file whose text goes into a build (and into the build folder's hash)."""
+    return [BINDINGS, *sorted(KERNEL_DIR.glob("*.cpp")), *sorted(KERNEL_DIR.glob("*.h"))]
+
+
+def compiler() -> str:
+    """The C++ compiler ($CXX, else c++), or a RuntimeError that says how to get one."""
+    name = os.environ.get("CXX", "c++")
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"no C++ compiler: {name!r} (from $CXX, default c++) is not on PATH; install g++ "
+                           "or set CXX")
+    return path
+
+
+def common_flags() -> list[str]:
+    """Flags of every object: torch's headers and ABI, the module name, fp32 rounding as torch's."""
+    includes = [*cpp_extension.include_paths(), sysconfig.get_path("include")]
+    return ["-O3", "-fPIC", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-DTORCH_API_INCLUDE_EXTENSION_H",
+            f"-DTORCH_EXTENSION_NAME={NAME}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(f"-isystem{path}" for path in includes)]
+
+
+def link_flags() -> list[str]:
+    # torch's libgomp (same soname as the one torch loaded): one OpenMP runtime, one thread team.
+    torch_lib = Path(torch.__file__).parent / "lib"
+    return ["-shared", f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python", "-lgomp",
+            f"-Wl,-rpath,{torch_lib}"]
+
+
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-20:])
+        raise RuntimeError(f"{shlex.join(command[:1] + command[-3:])} failed ({result.returncode}):\n{tail}")
+
+
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def module_path(folder: Path, variant: str) -> Path:
+    return folder / variant / f"{NAME}.so"
+
+
+def build(folder: Path, variants: dict[str, Sequence[str]], jobs: int | None = None) -> None:
+    """Compile each missing variant (name -> its -m flags) into `folder`; raises on failure."""
+    cxx = compiler()
+    with _locked(folder):
+        missing = {name: flags for name, flags in variants.items() if not module_path(folder, name).exists()}
+        if not missing:
+            return
+        flags = common_flags()
+        bindings = folder / "bindings.o"
+        commands: list[list[str]] = []
+        if not bindings.exists():
+            commands.append([cxx, *flags, "-c", str(BINDINGS), "-o", str(bindings)])
+        for name, variant_flags in missing.items():
+            (folder / name).mkdir(parents=True, exist_ok=True)
+            for source in sorted(KERNEL_DIR.glob("*.cpp")):
+                commands.append([cxx, *flags, *variant_flags, f'-DTGI_VARIANT="{name}"', "-c", str(source),
+                                 "-o", str(folder / name / f"{source.stem}.o")])
+        with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as pool:
+            list(pool.map(_run, commands))  # re-raises the first failure
+        for name in missing:
+            objects = [str(bindings), *(str(path) for path in sorted((folder / name).glob("*.o")))]
+            partial = folder / name / f"{NAME}.so.partial"
+            _run([cxx, *objects, "-o", str(partial), *link_flags()])
+            os.replace(partial, module_path(folder, name))

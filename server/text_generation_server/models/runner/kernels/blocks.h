@@ -1,0 +1,179 @@
+// The few-row product y[m, n] = x[m, k] @ W[n, k]^T, written once over a weight format.
+//
+// Design note: at decode and verification time m (rows x new tokens) is 1..16 while W is read
+// whole from memory, so the cost is the weight stream. Generic GEMMs tile for large m: on the
+// machines of this project they run a bf16 matrix-vector product at half the memory bandwidth
+// and an 8-row fp32 product 2.5x slower than a 1-row one. Here each block of kRows weight rows is
+// loaded once per chunk of k, decoded to fp32 in registers (a format: fp32, bf16 widened by a
+// shift, 4-bit codes through a 16-entry table), and multiplied with every x row of a register
+// tile while it sits in registers and L1, so m rows cost about what one row costs until the
+// FMA units, not memory, are the limit. The activations are prepared once per call in the
+// order the format decodes weights (padded with zeros to whole chunks), so a format's decode
+// order never shows in the result. Output rows are split across torch's own OpenMP team
+// (at::parallel_for): no second thread pool competes for the cores.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+namespace tgi::blocks {
+
+using simd::F;
+constexpr int kRows = 4;  // weight rows per block
+#if defined(__AVX512F__)
+constexpr int kTileLimit = 4;  // x rows per register tile (32 vector registers)
+#else
+constexpr int kTileLimit = 2;  // 16 vector registers: 4 x 2 sums + 4 weight vectors + 1 x vector
+#endif
+
+inline int64_t round_up(int64_t value, int64_t step) { return (value + step - 1) / step * step; }
+
+// The x rows of one call, in a format's order and element type: [m, padded_k].
+template <typename X>
+struct Prepared {
+  std::vector<X> values;
+  int64_t padded_k = 0;
+  Prepared(int64_t m, int64_t k, int64_t chunk) : values(m * round_up(k, chunk), X{}), padded_k(round_up(k, chunk)) {}
+  X* row(int64_t j) { return values.data() + j * padded_k; }
+  const X* row(int64_t j) const { return values.data() + j * padded_k; }
+};
+
+// fp32 weights, used as they are (also the decoded blocks of quantized weights).
+struct F32Weights {
+  using X = float;
+  static constexpr int64_t kChunk = simd::kLanes;
+  static constexpr int kMaxTile = 4;
+  static constexpr int kTallTile = 6;  // AVX2, pairs of weight rows: 12 sums + 2 weights + x
+  struct Vals { F v; };
+  const float* w;
+  int64_t k;
+  int64_t first_row = 0;  // w holds rows first_row.. (a decoded block of quantized rows)
+
+  const float* at(int64_t row, int64_t c) const { return w + (row - first_row) * k + c; }
+  Vals load(int64_t row, int64_t c) const { return {simd::load(at(row, c))}; }
+  Vals load_tail(int64_t row, int64_t c, int64_t k_end) const {
+    alignas(64) float part[kChunk] = {};
+    std::memcpy(part, at(row, c), (k_end - c) * sizeof(float));
+    return {simd::load(part)};
+  }
+  void prefetch(int64_t row, int64_t c) const { _mm_prefetch(reinterpret_cast<const char*>(at(row, c)), _MM_HINT_T0); }
+  int64_t row_bytes(int64_t k_) const { return k_ * 4; }
+  static F madd(F acc, const Vals& v, const float* x) { return simd::fmadd(v.v, simd::load(x), acc); }
+
+  static Prepared<float> prepare(const float* x, int64_t m, int64_t k_) {
+    Prepared<float> out(m, k_, kChunk);
+    for (int64_t j = 0; j < m; ++j) std::memcpy(out.row(j), x + j * k_, k_ * sizeof(float));
+    return out;
+  }
+};
+
+// Writes rows r of acc (+ bias) to y[m0 + j, row + r] for the R rows and MT x rows of a block.
+template <int R, int MT, typename Out>
+inline void store(F (&acc)[R][MT], Out* y, int64_t n, int64_t m0, int64_t row, const float* bias) {
+  for (int j = 0; j < MT; ++j) {
+    float sums[4];
+    if constexpr (R == 4) {
+      F column[4] = {acc[0][j], acc[1][j], acc[2][j], acc[3][j]};
+      simd::hsum4(column, sums);
+    } else {
+      for (int r = 0; r < R; ++r) sums[r] = simd::hsum(acc[r][j]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float value = sums[r] + (bias ? bias[row + r] : 0.0f);
+      if constexpr (sizeof(Out) == 2) {
+        y[(m0 + j) * n + row + r] = simd::to_bf16(value);
+      } else {
+        y[(m0 + j) * n + row + r] = value;
+      }
+    }
+  }
+}
+
+// y[m0 .. m0 + MT, row .. row + R] for one block; the k tail (if any) is a zero-padded chunk.
+template <class W, int R, int MT, typename Out>
+inline void block(const W& w, const Prepared<typename W::X>& x, int64_t k, int64_t m0, Out* y, int64_t n, int64_t row,
+                  const float* bias) {
+  F acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < MT; ++j) acc[r][j] = simd::zero();
+  auto multiply = [&](const typename W::Vals (&v)[R], int64_t c) {
+    for (int j = 0; j < MT; ++j) {
+      const typename W::X* xj = x.row(m0 + j) + c;
+      for (int r = 0; r < R; ++r) acc[r][j] = W::madd(acc[r][j], v[r], xj);
+    }
+  };
+  // The first tile streams the block from memory and asks for the next block's rows (R short
+  // streams confuse the hardware prefetcher; past the last row this names memory outside W:
+  // prefetches are hints and never fault); later tiles find the block in L1.
+  const bool first = m0 == 0;
+  const int64_t whole = k / W::kChunk * W::kChunk;
+  for (int64_t c = 0; c < whole; c += W::kChunk) {
+    typename W::Vals v[R];
+    for (int r = 0; r < R; ++r) v[r] = w.load(row + r, c);
+#ifndef TGI_NO_PREFETCH
+    if (first)
+      for (int r = 0; r < R; ++r) w.prefetch(row + R + r, c);
+#endif
+    multiply(v, c);
+  }
+  if (whole < k) {
+    typename W::Vals v[R];
+    for (int r = 0; r < R; ++r) v[r] = w.load_tail(row + r, whole, k);
+    multiply(v, whole);
+  }
+  store<R, MT>(acc, y, n, m0, row, bias);
+}
+
+// x rows m0.. in tiles of T (the last one shorter), against weight rows row .. row + R.
+template <class W, int R, int T, typename Out>
+inline void tiles(const W& w, const Prepared<typename W::X>& x, int64_t m, int64_t k, Out* y, int64_t n, int64_t row,
+                  const float* bias) {
+  int64_t m0 = 0;
+  for (; m0 + T <= m; m0 += T) block<W, R, T>(w, x, k, m0, y, n, row, bias);
+  switch (m - m0) {  // the last partial tile
+    case 5: if constexpr (T > 5) block<W, R, 5>(w, x, k, m0, y, n, row, bias); break;
+    case 4: if constexpr (T > 4) block<W, R, 4>(w, x, k, m0, y, n, row, bias); break;
+    case 3: if constexpr (T > 3) block<W, R, 3>(w, x, k, m0, y, n, row, bias); break;
+    case 2: if constexpr (T > 2) block<W, R, 2>(w, x, k, m0, y, n, row, bias); break;
+    case 1: if constexpr (T > 1) block<W, R, 1>(w, x, k, m0, y, n, row, bias); break;
+    default: break;
+  }
+}
+
+// Weight rows row .. row + R against every x row. With 16 vector registers (AVX2) a block of 4
+// weight rows leaves room for 2 x rows per tile; from 3 x rows on, pairs of weight rows in
+// tiles of W::kTallTile x rows load each weight chunk fewer times (3..6 rows: once).
+template <class W, int R, typename Out>
+inline void rows_against_all_x(const W& w, const Prepared<typename W::X>& x, int64_t m, int64_t k, Out* y, int64_t n,
+                               int64_t row, const float* bias) {
+#if !defined(__AVX512F__)
+  if constexpr (R == kRows) {
+    if (m >= 3) {
+      for (int r = 0; r < R; r += 2) tiles<W, 2, W::kTallTile>(w, x, m, k, y, n, row + r, bias);
+      return;
+    }
+  }
+#endif
+  tiles<W, R, std::min(kTileLimit, W::kMaxTile)>(w, x, m, k, y, n, row, bias);
+}
+
+// The whole product: blocks of kRows weight rows (then single rows) split across the threads.
+template <class W, typename Out>
+void run(const W& w, const Prepared<typename W::X>& x, int64_t m, int64_t k, int64_t n, const float* bias, Out* y) {
+  const int64_t blocks = (n + kRows - 1) / kRows;
+  // ~64 KiB of weights per task: small matrices still split across both cores.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kRows * w.row_bytes(k)));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    const int64_t end = std::min(n, b1 * kRows);
+    int64_t row = b0 * kRows;
+    for (; row + kRows <= end; row += kRows) rows_against_all_x<W, kRows>(w, x, m, k, y, n, row, bias);
+    for (; row < end; ++row) rows_against_all_x<W, 1>(w, x, m, k, y, n, row, bias);
+  });
+}
+
+}  // namespace tgi::blocks

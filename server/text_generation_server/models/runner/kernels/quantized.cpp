@@ -1,0 +1,334 @@
+// bitsandbytes' quantized products, read in bitsandbytes' own layouts, computing what
+// bitsandbytes 0.50 computes on the CPU.
+//
+// 4-bit (Linear4bit, nf4 and fp4): bitsandbytes dequantizes the whole weight, w = table[code] *
+// absmax[block] in fp32 (rounded to bf16 when the compute dtype is bf16), then calls F.linear.
+// Here each chunk of codes is decoded in registers to exactly those w values (a 16-entry table
+// lookup and one product with the block's absmax) and goes through the same few-row loop as the
+// dense weights (blocks.h): the weight stream is 4.5 bits per weight instead of 32, and only the
+// order of the fp32 sums differs from bitsandbytes.
+//
+// int8 (Linear8bitLt, LLM.int8() with threshold t, 6.0 by default): bitsandbytes casts x to
+// fp16; a column whose |x| >= t in any row is an outlier column; each row's scale is the absmax
+// of its fp16 values below t; x is quantized row-wise, round(x16 * (127 / absmax)), outlier
+// columns set to 0; the int8 product with CB [n, k] is summed exactly in int32 and dequantized
+// as acc * (absmax_row * SCB_n) * 6.200124e-05 (+ bias); the outlier columns are added back in
+// the input precision against CB * SCB * (1 / 127). The same steps run here in the same order
+// of fp32 operations, so the result equals bitsandbytes' up to the order of the outlier sum.
+// The int8 dot products: AVX2 and AVX-512BW move x's sign onto w and sum |x| * w with maddubs
+// (|x|, |w| <= 127: pairs never saturate); AVX-512 VNNI sums (x + 128) * w with vpdpbusd and
+// takes back 128 * sum(w).
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "blocks.h"
+#include "kernels.h"
+
+namespace tgi {
+namespace {
+
+using blocks::Prepared;
+using simd::F;
+using simd::I;
+
+// ---- 4-bit ------------------------------------------------------------------------------------
+// A chunk is 32 weights (16 bytes of codes, one absmax block: blocksizes are powers of two >= 32),
+// decoded to kVectors fp32 vectors in the order below; x is prepared in the same order.
+#if defined(__AVX512F__)
+constexpr int kVectors = 2;  // [even elements 0..30], [odd elements 1..31]: high, low nibbles
+
+// The position within a chunk that lane p of the decoded vectors holds.
+inline int64_t source(int64_t p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
+
+struct Decoder {
+  F table;
+  explicit Decoder(const float* values) : table(_mm512_loadu_ps(values)) {}
+  void operator()(const uint8_t* codes, F scale, F (&out)[kVectors]) const {
+    const I bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    out[0] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table), scale);
+    out[1] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), table), scale);
+  }
+};
+#else
+// AVX2 has no 16-entry fp32 permute: the table is split into its 4 byte planes, each looked up
+// with one byte shuffle (lane 0: high nibbles, lane 1: low nibbles), and the bytes are
+// interleaved back into fp32 lanes. Vector q holds [elements 8q, 8q+2, 8q+4, 8q+6 | 8q+1, .., 8q+7].
+constexpr int kVectors = 4;
+
+inline int64_t source(int64_t p) {
+  const int64_t q = p / 8, j = p % 8;
+  return 8 * q + (j < 4 ? 2 * j : 2 * (j - 4) + 1);
+}
+
+struct Decoder {
+  I planes[4];
+  explicit Decoder(const float* values) {
+    alignas(16) uint8_t bytes[4][16];
+    for (int e = 0; e < 16; ++e) {
+      uint32_t bits;
+      std::memcpy(&bits, values + e, sizeof(bits));
+      for (int b = 0; b < 4; ++b) bytes[b][e] = static_cast<uint8_t>(bits >> (8 * b));
+    }
+    for (int b = 0; b < 4; ++b)
+      planes[b] = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes[b])));
+  }
+  void operator()(const uint8_t* codes, F scale, F (&out)[kVectors]) const {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i low4 = _mm_set1_epi8(15);
+    const I index = _mm256_set_m128i(_mm_and_si128(packed, low4), _mm_and_si128(_mm_srli_epi16(packed, 4), low4));
+    const I p0 = _mm256_shuffle_epi8(planes[0], index), p1 = _mm256_shuffle_epi8(planes[1], index);
+    const I p2 = _mm256_shuffle_epi8(planes[2], index), p3 = _mm256_shuffle_epi8(planes[3], index);
+    const I b01_low = _mm256_unpacklo_epi8(p0, p1), b01_high = _mm256_unpackhi_epi8(p0, p1);
+    const I b23_low = _mm256_unpacklo_epi8(p2, p3), b23_high = _mm256_unpackhi_epi8(p2, p3);
+    out[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(b01_low, b23_low)), scale);
+    out[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(b01_low, b23_low)), scale);
+    out[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(b01_high, b23_high)), scale);
+    out[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(b01_high, b23_high)), scale);
+  }
+};
+#endif
+
+constexpr int64_t kChunk4 = 32;
+
+struct FourBit {
+  const Packed4& w;
+  Decoder decode;
+  int shift;  // log2(blocksize)
+  int64_t k;
+
+  template <bool kRound>
+  void chunk(int64_t row, int64_t c, F (&out)[kVectors]) const {
+    const int64_t e = row * k + c;
+    decode(w.codes + e / 2, simd::set1(w.absmax[e >> shift]), out);
+    if constexpr (kRound)
+      for (auto& v : out) v = simd::round_to_bf16(v);
+  }
+};
+
+// x rows in the decoder's order, as one fp32 product expects them.
+Prepared<float> prepare_4bit(const float* x, int64_t m, int64_t k) {
+  Prepared<float> out(m, k, kChunk4);
+  for (int64_t j = 0; j < m; ++j)
+    for (int64_t c = 0; c < k; c += kChunk4)
+      for (int64_t p = 0; p < kChunk4; ++p) out.row(j)[c + p] = x[j * k + c + source(p)];
+  return out;
+}
+
+// One x row: each weight row decoded once and multiplied at once, kVectors independent sums.
+template <bool kRound>
+void four_bit_one_row(const FourBit& w, const float* x, const float* bias, float* y, int64_t row) {
+  F acc[kVectors];
+  for (auto& a : acc) a = simd::zero();
+  for (int64_t c = 0; c < w.k; c += kChunk4) {
+    F v[kVectors];
+    w.chunk<kRound>(row, c, v);
+    for (int i = 0; i < kVectors; ++i) acc[i] = simd::fmadd(v[i], simd::load(x + c + i * simd::kLanes), acc[i]);
+  }
+  for (int i = 1; i < kVectors; ++i) acc[0] = simd::add(acc[0], acc[i]);
+  y[row] = simd::hsum(acc[0]) + (bias ? bias[row] : 0.0f);
+}
+
+// Several x rows: blocks of rows decoded once into an L1-sized fp32 buffer, then the fp32
+// few-row product (blocks.h) runs on it.
+template <bool kRound>
+void four_bit_rows(const FourBit& w, const Prepared<float>& x, int64_t m, const float* bias, float* y, int64_t n,
+                   int64_t row, int64_t rows, std::vector<float>& decoded) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < w.k; c += kChunk4) {
+      F v[kVectors];
+      w.chunk<kRound>(row + r, c, v);
+      for (int i = 0; i < kVectors; ++i) simd::store(decoded.data() + r * w.k + c + i * simd::kLanes, v[i]);
+    }
+  const blocks::F32Weights dense{decoded.data(), w.k, row};
+  if (rows == blocks::kRows) {
+    blocks::rows_against_all_x<blocks::F32Weights, blocks::kRows>(dense, x, m, w.k, y, n, row, bias);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) blocks::rows_against_all_x<blocks::F32Weights, 1>(dense, x, m, w.k, y, n, row + r, bias);
+  }
+}
+
+template <bool kRound>
+void four_bit(const FourBit& w, const Prepared<float>& x, int64_t m, const float* bias, float* y, int64_t n) {
+  const int64_t blocks = (n + blocks::kRows - 1) / blocks::kRows;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, blocks::kRows * w.k / 2));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    const int64_t end = std::min(n, b1 * blocks::kRows);
+    if (m == 1) {
+      for (int64_t row = b0 * blocks::kRows; row < end; ++row) four_bit_one_row<kRound>(w, x.row(0), bias, y, row);
+      return;
+    }
+    std::vector<float> decoded(blocks::kRows * w.k);
+    for (int64_t row = b0 * blocks::kRows; row < end; row += blocks::kRows)
+      four_bit_rows<kRound>(w, x, m, bias, y, n, row, std::min<int64_t>(blocks::kRows, end - row), decoded);
+  });
+}
+
+// ---- LLM.int8() -------------------------------------------------------------------------------
+constexpr int64_t kBytes = static_cast<int64_t>(sizeof(I));  // int8 values per chunk
+
+// x quantized as bitsandbytes does (see the header), in the layout the dot product wants.
+struct QuantizedX {
+  int64_t padded_k;
+  std::vector<uint8_t> unsigned_part;  // |x| (or x + 128 for VNNI)
+  std::vector<int8_t> signs;           // x itself (its sign moves onto w)
+  std::vector<float> scales;           // absmax of each row's fp16 values below the threshold
+  std::vector<int64_t> outliers;       // outlier columns
+};
+
+inline float to_fp16_and_back(float value) { return _cvtsh_ss(_cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT)); }
+
+QuantizedX quantize_rows(const float* x, int64_t m, int64_t k, float threshold) {
+  QuantizedX q{blocks::round_up(k, kBytes), {}, {}, std::vector<float>(m, 0.0f), {}};
+  std::vector<float> half(m * k);
+  std::vector<char> outlier(k, 0);
+  const float limit = to_fp16_and_back(threshold);  // compared in fp16, as torch compares an fp16 tensor
+  for (int64_t i = 0; i < m * k; ++i) half[i] = to_fp16_and_back(x[i]);
+  for (int64_t j = 0; j < m; ++j)
+    for (int64_t c = 0; c < k; ++c) {
+      const float magnitude = std::fabs(half[j * k + c]);
+      if (threshold > 0.0f && magnitude >= limit) {
+        outlier[c] = 1;
+      } else {
+        q.scales[j] = std::max(q.scales[j], magnitude);
+      }
+    }
+  for (int64_t c = 0; c < k; ++c)
+    if (outlier[c]) q.outliers.push_back(c);
+  q.unsigned_part.assign(m * q.padded_k, 0);
+  q.signs.assign(m * q.padded_k, 0);
+  for (int64_t j = 0; j < m; ++j) {
+    // torch's `127.0 / row_stats` is `row_stats.reciprocal() * 127.0`: two roundings.
+    const float factor = (1.0f / q.scales[j]) * 127.0f;
+    for (int64_t c = 0; c < k; ++c) {
+      const float scaled = half[j * k + c] * factor;
+      const int8_t v = outlier[c] || q.scales[j] == 0.0f ? 0 : static_cast<int8_t>(std::nearbyint(scaled));
+      q.signs[j * q.padded_k + c] = v;
+#if defined(__AVX512VNNI__)
+      q.unsigned_part[j * q.padded_k + c] = static_cast<uint8_t>(v + 128);
+#else
+      q.unsigned_part[j * q.padded_k + c] = static_cast<uint8_t>(v < 0 ? -v : v);
+#endif
+    }
+#if defined(__AVX512VNNI__)
+    for (int64_t c = k; c < q.padded_k; ++c) q.unsigned_part[j * q.padded_k + c] = 128;  // padding is x = 0
+#endif
+  }
+  return q;
+}
+
+inline I dot_i8(I acc, I w, const uint8_t* xu, const int8_t* xs) {
+#if defined(__AVX512VNNI__)
+  (void)xs;
+  return _mm512_dpbusd_epi32(acc, simd::load_i(xu), w);
+#elif defined(__AVX512F__)
+  const __mmask64 negative = _mm512_movepi8_mask(simd::load_i(xs));
+  const I signed_w = _mm512_mask_sub_epi8(w, negative, _mm512_setzero_si512(), w);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(simd::load_i(xu), signed_w),
+                                                 _mm512_set1_epi16(1)));
+#else
+  const I signed_w = _mm256_sign_epi8(w, simd::load_i(xs));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(simd::load_i(xu), signed_w),
+                                                 _mm256_set1_epi16(1)));
+#endif
+}
+
+// Exact int32 sums of x row j against weight rows row .. row + R over the padded k.
+template <int R>
+void int8_sums(const int8_t* codes, int64_t k, const QuantizedX& q, int64_t j, int64_t row, int32_t* sums) {
+  I acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = simd::zero_i();
+#if defined(__AVX512VNNI__)
+  I weight_sums[R];
+  for (int r = 0; r < R; ++r) weight_sums[r] = simd::zero_i();
+#endif
+  const uint8_t* xu = q.unsigned_part.data() + j * q.padded_k;
+  const int8_t* xs = q.signs.data() + j * q.padded_k;
+  auto step = [&](int64_t c, bool tail) {
+    for (int r = 0; r < R; ++r) {
+      const int8_t* w = codes + (row + r) * k + c;
+      I wv;
+      if (tail) {  // the last partial chunk, zero-padded
+        alignas(64) int8_t part[kBytes] = {};
+        std::memcpy(part, w, k - c);
+        wv = simd::load_i(part);
+      } else {
+        wv = simd::load_i(w);
+      }
+      _mm_prefetch(reinterpret_cast<const char*>(w + R * k), _MM_HINT_T0);
+      acc[r] = dot_i8(acc[r], wv, xu + c, xs + c);
+#if defined(__AVX512VNNI__)
+      weight_sums[r] = _mm512_dpbusd_epi32(weight_sums[r], _mm512_set1_epi8(1), wv);
+#endif
+    }
+  };
+  const int64_t whole = k / kBytes * kBytes;
+  for (int64_t c = 0; c < whole; c += kBytes) step(c, false);
+  if (whole < k) step(whole, true);
+  for (int r = 0; r < R; ++r) {
+    sums[r] = simd::hsum_i32(acc[r]);
+#if defined(__AVX512VNNI__)
+    sums[r] -= 128 * simd::hsum_i32(weight_sums[r]);
+#endif
+  }
+}
+
+}  // namespace
+
+void linear_4bit(const float* x, const Packed4& w, const float* bias, float* y, int64_t m, int64_t k, int64_t n,
+                 bool round_bf16) {
+  const FourBit weights{w, Decoder(w.table), __builtin_ctzll(w.blocksize), k};
+  const Prepared<float> prepared = prepare_4bit(x, m, k);
+  if (round_bf16) {
+    four_bit<true>(weights, prepared, m, bias, y, n);
+  } else {
+    four_bit<false>(weights, prepared, m, bias, y, n);
+  }
+}
+
+// y = the int part dequantized (+ bias), then the outlier columns (see the header). For bf16
+// activations (given here widened to fp32, exactly) bitsandbytes rounds the int part and the
+// dequantized outlier weights to bf16 before its bf16 addmm; the caller rounds the sum.
+void linear_int8(const float* x, const Int8Weight& w, const float* bias, float* y, int64_t m, int64_t k, int64_t n,
+                 float threshold, bool round_bf16) {
+  const float to_float = static_cast<float>(6.200124e-05);  // bitsandbytes' 1 / 127^2 (a double, used as fp32)
+  const float to_weight = static_cast<float>(7.874015718698502e-3);  // its 1 / 127
+  const QuantizedX q = quantize_rows(x, m, k, threshold);
+  auto finish = [&](int64_t j, int64_t r, int32_t sum) {
+    float value = static_cast<float>(sum) * (q.scales[j] * w.scales[r]) * to_float;
+    if (bias) value += bias[r];
+    if (!q.outliers.empty()) {
+      if (round_bf16) value = simd::from_bf16(simd::to_bf16(value));
+      float extra = 0.0f;
+      for (const int64_t c : q.outliers) {
+        float weight = static_cast<float>(w.codes[r * k + c]) * w.scales[r] * to_weight;
+        if (round_bf16) weight = simd::from_bf16(simd::to_bf16(weight));
+        extra += x[j * k + c] * weight;
+      }
+      value += extra;
+    }
+    y[j * n + r] = value;
+  };
+  const int64_t blocks = (n + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 4 * k));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    const int64_t end = std::min(n, b1 * 4);
+    for (int64_t row = b0 * 4; row < end;) {
+      const int rows = row + 4 <= end ? 4 : 1;
+      for (int64_t j = 0; j < m; ++j) {
+        int32_t sums[4];
+        if (rows == 4) {
+          int8_sums<4>(w.codes, k, q, j, row, sums);
+        } else {
+          int8_sums<1>(w.codes, k, q, j, row, sums);
+        }
+        for (int r = 0; r < rows; ++r) finish(j, row + r, sums[r]);
+      }
+      row += rows;
+    }
+  });
+}
+
+}  // namespace tgi

@@ -1,0 +1,60 @@
+"""`--layer-skip-policy auto`: the shipped policy whose fingerprints match the served model.
+
+The repository's `policies/` folder holds one calibrated policy per model that works offline
+(with its evidence files beside it). `auto` reads each policy file there, skips those made for
+another architecture or layer count at once, and aligns the rest to the loaded model's identity
+map (fingerprints, as any policy is aligned); the first that aligns is used. When none does, the
+shard says so and serves with layer skipping off. TGI_POLICY_DIR points elsewhere (an image
+that copies the policies to another place).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from loguru import logger
+from torch import nn
+
+from ..layerskip import IdentityMap, align_policy, read_policy
+
+AUTO = "auto"
+ENV_DIR = "TGI_POLICY_DIR"
+
+
+def policy_dir() -> Path:
+    """TGI_POLICY_DIR, else the repository's policies/ (next to server/)."""
+    configured = os.environ.get(ENV_DIR)
+    return Path(configured) if configured else Path(__file__).resolve().parents[3] / "policies"
+
+
+def candidates(folder: Path) -> list[Path]:
+    """Policy files under `folder` (evidence and report JSON files excluded)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.rglob("*.json") if not any(tag in p.name for tag in (".evidence.", "report")))
+
+
+def find_shipped_policy(model: nn.Module, folder: Path | None = None) -> Path | None:
+    """The first policy in `folder` (default: policy_dir()) that aligns to `model`, or None."""
+    folder = folder or policy_dir()
+    identities: dict[str, IdentityMap] = {}
+    for path in candidates(folder):
+        try:
+            policy = read_policy(path)
+        except ValueError as err:
+            logger.warning(f"--layer-skip-policy auto: skipping {path}: {err}")
+            continue
+        tag = policy.identity.fingerprint.tag
+        if tag not in identities:
+            identities[tag] = IdentityMap.from_model(model, policy.identity.fingerprint)
+        identity = identities[tag]
+        if (policy.identity.architecture, policy.identity.num_layers) != (identity.architecture, identity.num_layers):
+            continue
+        try:
+            align_policy(policy, identity, path.parent, str(path))
+        except ValueError as err:
+            logger.debug(f"--layer-skip-policy auto: {path} does not fit: {err}")
+            continue
+        return path
+    return None

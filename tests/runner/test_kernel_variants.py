@@ -1,0 +1,97 @@
+"""Choosing, building and importing the CPU kernels' ISA variants (cpu_kernels.py, kernel_build.py)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from text_generation_server.models.runner import cpu_kernels, kernel_build
+
+AVX2 = {"avx2", "fma", "f16c", "sse4_2"}
+ICE_LAKE = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}  # no avx512_bf16
+SKYLAKE_X = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+SAPPHIRE_RAPIDS = ICE_LAKE | {"avx512_bf16", "amx_tile"}
+
+
+@pytest.mark.parametrize(("flags", "expected"), [(AVX2, "avx2"), (SKYLAKE_X, "avx512"), (ICE_LAKE, "avx512_vnni"),
+                                                 (SAPPHIRE_RAPIDS, "avx512_bf16")])
+def test_auto_picks_the_best_variant_the_flags_allow(flags: set[str], expected: str) -> None:
+    choice = cpu_kernels.choose("auto", flags, "x86_64")
+    assert isinstance(choice, cpu_kernels.Variant) and choice.name == expected
+
+
+def test_a_forced_variant_is_used_where_the_cpu_has_it_and_refused_by_name_where_not() -> None:
+    choice = cpu_kernels.choose("avx2", SAPPHIRE_RAPIDS, "x86_64")
+    assert isinstance(choice, cpu_kernels.Variant) and choice.name == "avx2"
+    assert cpu_kernels.choose("AVX512_BF16", ICE_LAKE, "x86_64") == (
+        "TGI_CPU_KERNELS=avx512_bf16 but the CPU lacks avx512_bf16")
+    assert cpu_kernels.choose("avx512", AVX2, "x86_64") == (
+        "TGI_CPU_KERNELS=avx512 but the CPU lacks avx512f, avx512bw, avx512vl, avx512dq")
+
+
+def test_other_cpus_and_off_fall_back_to_torch_saying_why() -> None:
+    assert cpu_kernels.choose("auto", set(), "aarch64") == (
+        "the CPU is aarch64, the kernels are written for x86-64 (AVX2 or AVX-512)")
+    assert cpu_kernels.choose("auto", {"avx", "sse4_2"}, "x86_64") == (
+        "the CPU lacks avx2, fma, f16c (the least the kernels need: AVX2, FMA, F16C)")
+    assert cpu_kernels.choose("off", SAPPHIRE_RAPIDS, "x86_64") == "TGI_CPU_KERNELS=off"
+    with pytest.raises(ValueError, match="TGI_CPU_KERNELS='sse2' is not one of auto, off, avx512_bf16"):
+        cpu_kernels.choose("sse2", AVX2, "x86_64")
+
+
+def test_only_the_bf16_variant_uses_bf16_instructions() -> None:
+    """fp32 kernels never depend on a bf16 instruction: below avx512_bf16, bf16 is widened by shifts."""
+    for variant in cpu_kernels.VARIANTS:
+        uses_bf16 = any("bf16" in flag for flag in variant.compiler_flags)
+        assert uses_bf16 == (variant.name == "avx512_bf16"), variant
+
+
+def test_build_compiles_every_variant_and_imports_none(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The bindings once with baseline flags, each variant's kernels with its own; nothing is loaded."""
+    commands: list[list[str]] = []
+
+    def compile_or_link(command: list[str]) -> None:
+        commands.append(command)
+        Path(command[command.index("-o") + 1]).write_bytes(b"")
+
+    monkeypatch.setattr(kernel_build, "_run", compile_or_link)
+    monkeypatch.setattr(kernel_build, "compiler", lambda: "c++")
+    modules_before = set(sys.modules)
+    kernel_build.build(tmp_path / "k", {v.name: v.compiler_flags for v in cpu_kernels.VARIANTS})
+    assert set(sys.modules) == modules_before
+    bindings = [c for c in commands if str(kernel_build.BINDINGS) in c]
+    assert len(bindings) == 1 and not any(flag.startswith("-mavx") for flag in bindings[0])
+    for variant in cpu_kernels.VARIANTS:
+        objects = [c for c in commands if f'-DTGI_VARIANT="{variant.name}"' in c]
+        assert len(objects) == len(list(kernel_build.KERNEL_DIR.glob("*.cpp")))
+        assert all(set(variant.compiler_flags) <= set(c) for c in objects)
+        assert kernel_build.module_path(tmp_path / "k", variant.name).exists()
+
+
+def _disassembly(paths: list[Path]) -> str:
+    """The instructions (mnemonic and operands) of the objects, without symbol names."""
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", *map(str, paths)], capture_output=True, text=True,
+                         check=True).stdout
+    lines = [line.split("\t", 1)[1] for line in out.splitlines() if line.startswith(" ") and "\t" in line]
+    return re.sub(r"<[^>]*>", "", "\n".join(lines))  # jump targets name symbols, e.g. linear_bf16
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
+@pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None, reason="the kernels are not built here")
+def test_no_variant_holds_instructions_above_its_level() -> None:
+    """What the CPU executes is what it has: the shared bindings hold no vector extension at all,
+    the avx2 variant no AVX-512 register, and only avx512_bf16 a bf16 instruction."""
+    folder = cpu_kernels.build()
+    bindings = _disassembly([folder / "bindings.o"])
+    assert "%ymm" not in bindings and "%zmm" not in bindings
+    avx2 = _disassembly(sorted((folder / "avx2").glob("*.o")))
+    assert "%ymm" in avx2 and "%zmm" not in avx2 and "%k1" not in avx2
+    for name in ("avx512", "avx512_vnni"):
+        assert "bf16" not in _disassembly(sorted((folder / name).glob("*.o")))
+    assert "vpdpbusd" in _disassembly(sorted((folder / "avx512_vnni").glob("*.o")))
+    assert "vdpbf16ps" in _disassembly(sorted((folder / "avx512_bf16").glob("*.o")))

