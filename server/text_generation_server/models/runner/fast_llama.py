@@ -322,9 +322,9 @@ class FastLlamaRunner:
     def _logits(self, h: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
         h = rms_norm(h.contiguous(), self.final_norm, self.dims)
         # A verified-mode draft may pass a reduced head (rows of lm_head, see draft_head.py).
-        if head is None:
-            head = self.head_projection if self.head_projection is not None else self.lm_head
-        logits = linear(h, head, None, self.dims)  # [rows, positions, vocab]
+        full = self.head_projection if self.head_projection is not None else self.lm_head
+        weights = head if head is not None else full
+        logits = linear(h, weights, None, self.dims)  # [rows, positions, vocab]
         if self.spec.final_logit_softcap is not None:
             cap = self.spec.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
