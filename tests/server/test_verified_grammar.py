@@ -72,8 +72,8 @@ def pair(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Ca
     verified.auto_off = False  # every decode step is a draft-verify cycle
     # A fixed cost model where drafting pays (drafts grow to several tokens), instead of measuring
     # one at first use: only the draft length depends on it, never the tokens.
-    verified.cost_model = CostModel(step_s=0.030, verify_s=(0.030, 0.033, 0.036, 0.039, 0.042, 0.045, 0.048),
-                                    layer_s=0.001)
+    verified.cost_model = CostModel.flat(step_s=0.030, verify_s=(0.030, 0.033, 0.036, 0.039, 0.042, 0.045, 0.048),
+                                         layer_s=0.001)
     return off, verified
 
 
