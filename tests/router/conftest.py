@@ -14,7 +14,7 @@ from router_launcher import Launcher, start_launcher
 def isolation_server() -> Iterator[Launcher]:
     launcher = start_launcher(ISOLATION_LIMITS, "isolation")
     yield launcher
-    launcher.stop()  # already gone when the SIGKILL test ran
+    assert launcher.stop() == 0, launcher.log()[-3000:]
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from isolation_harness import (
+    ISOLATION_LIMITS,
     MAX_CONCURRENT,
     NEIGHBOUR_TOKENS,
     WATCHDOG_S,
@@ -29,7 +30,7 @@ from isolation_harness import (
     raw_connection,
     wait_idle,
 )
-from router_launcher import Launcher
+from router_launcher import Launcher, start_launcher
 
 from text_generation_router.batcher import Batcher, Health
 from text_generation_router.client import ShardClient
@@ -261,13 +262,19 @@ def test_the_batcher_fails_one_entry_alone(isolation_server: Launcher, neighbour
 
 
 @pytest.mark.timeout(300)
-def test_children_die_with_a_sigkilled_launcher(isolation_server: Launcher) -> None:
-    """Runs last in this module: it ends the session's isolation launcher."""
-    kids = children(isolation_server.proc.pid)
-    assert len(kids) == 2, kids  # the shard and the router
-    os.kill(isolation_server.proc.pid, signal.SIGKILL)
-    isolation_server.proc.wait(WATCHDOG_S)
-    deadline = time.monotonic() + WATCHDOG_S
-    while any(alive(pid) for pid in kids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [pid for pid in kids if alive(pid)], "a child outlived its launcher"
+def test_children_die_with_a_sigkilled_launcher() -> None:
+    """Its own launcher, so that no test shares the one it kills."""
+    launcher = start_launcher(ISOLATION_LIMITS, "sigkill")
+    kids = children(launcher.proc.pid)
+    try:
+        assert len(kids) == 2, kids  # the shard and the router
+        os.kill(launcher.proc.pid, signal.SIGKILL)
+        launcher.proc.wait(WATCHDOG_S)
+        deadline = time.monotonic() + WATCHDOG_S
+        while any(alive(pid) for pid in kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in kids if alive(pid)], "a child outlived its launcher"
+    finally:
+        launcher.stop()
+        for pid in filter(alive, kids):
+            os.kill(pid, signal.SIGKILL)
