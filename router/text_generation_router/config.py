@@ -27,6 +27,7 @@ class RouterConfig:
     served_model_name: str = ""
     hostname: str = "0.0.0.0"
     port: int = 3000
+    prometheus_port: int = 9000
     max_concurrent_requests: int = 128
     max_best_of: int = 2
     max_stop_sequences: int = 4

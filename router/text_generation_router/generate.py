@@ -65,7 +65,6 @@ async def generate_response(
     details = p.details or p.decoder_input_details
     body = generate_json(best, details, full, others)
     state.metrics.request_success.inc()
-    state.metrics.request_duration.observe(time.monotonic() - timing.started)
     headers = generate_headers(best, timing, len(req.inputs))
     return sse.NanSafeJSONResponse([body] if as_list else body, headers=headers)
 
@@ -99,7 +98,6 @@ async def _stream_events(
                 ))
                 if event.end is not None:
                     state.metrics.request_success.inc()
-                    state.metrics.request_duration.observe(time.monotonic() - timing.started)
                     return
         yield sse.event({"error": "Incomplete generation stream", "error_type": "incomplete_generation_stream"})
     except InferError as err:

@@ -158,11 +158,15 @@ def check_model(data: Any, model: type[M]) -> M:
         raise BodyError(422, f"{TYPE_PREFIX}: {located}{_message(worst)}") from err
 
 
-async def read_json(request: Request, model: type[M], payload_limit: int) -> M:
-    """Parse and type-check a request body, or raise BodyError."""
+async def read_json_value(request: Request, payload_limit: int) -> Any:
+    """The parsed JSON body (not yet type-checked), or raise BodyError."""
     content_type = request.headers.get("content-type", "")
     mime = content_type.split(";")[0].strip().lower()
     if not (mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))):
         raise BodyError(415, "Expected request with `Content-Type: application/json`")
-    raw = await read_body(request, payload_limit)
-    return check_model(parse_json(raw), model)
+    return parse_json(await read_body(request, payload_limit))
+
+
+async def read_json(request: Request, model: type[M], payload_limit: int) -> M:
+    """Parse and type-check a request body, or raise BodyError."""
+    return check_model(await read_json_value(request, payload_limit), model)

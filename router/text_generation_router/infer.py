@@ -1,14 +1,20 @@
 """From an HTTP request to a stream of tokens: concurrency limit, validation, queueing.
 
 `Infer.stream` yields TokenEvents (and a PrefillEvent when asked) and raises InferError;
-`Infer.generate` collects them into a `Generation` for the non-streaming routes.
+`Infer.generate` collects them into a `Generation` for the non-streaming routes. As upstream,
+a request is served in chunks of at most 1024 new tokens: a chunk that ends by length before
+the request's max_new_tokens is re-queued with its text appended to the prompt, until the
+request is done or its next chunk no longer passes validation. Every generation route ends
+in `Infer.stream`, which records `tgi_request_duration` once per finished request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -35,6 +41,7 @@ from text_generation_router.queue import Queue
 from text_generation_router.schemas import GenerateParameters
 from text_generation_router.tokenizer import Tokenizer, TokenSpan
 from text_generation_router.validation import (
+    DEFAULT_GENERATION_LENGTH,
     Limits,
     ValidationError,
     ValidRequest,
@@ -43,7 +50,7 @@ from text_generation_router.validation import (
     check_layer_skip,
     check_lengths,
     check_sampling_parameters,
-    refuse_unimplemented,
+    requested_new_tokens,
 )
 
 T = TypeVar("T")
@@ -129,29 +136,69 @@ class Infer:
             lengths = check_lengths(inputs, p, num_tokens, self.limits.serving)
             check_layer_skip(p.layer_skip)
             grammar = check_grammar(p, self.limits)
-            refuse_unimplemented(p)
         except ValidationError as err:
             raise ValidationFailed(str(err)) from err
-        request = build_valid_request(inputs, p, lengths, grammar, add_special_tokens)
+        total_new = requested_new_tokens(p, lengths[1], self.limits.serving)
+        request = build_valid_request(inputs, p, lengths, grammar, add_special_tokens, total_new)
         self.metrics.request_validation_duration.observe(time.monotonic() - started)
         self.metrics.request_input_length.observe(request.input_length)
         self.metrics.request_max_new_tokens.observe(request.max_new_tokens)
         return request
 
-    async def tokenize(self, inputs: str) -> list[TokenSpan]:
+    async def tokenize(self, inputs: str, add_special_tokens: bool = True) -> list[TokenSpan]:
         """/tokenize: on a validation worker, refused past max_input_tokens (upstream's message)."""
-        spans = await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenizer.spans, inputs)
+        spans = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self.tokenizer.spans, inputs, add_special_tokens)
         max_input = self.limits.serving.max_input_tokens
         if len(spans) > max_input:
             raise ValidationFailed(f"`inputs` must have less than {max_input} tokens. Given: {len(spans)}")
         return spans
 
-    async def stream(self, request: ValidRequest, timing: Timing) -> AsyncIterator[InferEvent]:
-        """Queue a validated request and yield its events until its last token.
+    async def stream(self, request: ValidRequest, timing: Timing) -> AsyncGenerator[InferEvent, None]:
+        """Queue a validated request and yield its events until its last token, chunk by chunk.
 
         Closing the iterator early (client gone) marks the request dropped; the batcher
         removes it at the next step.
         """
+        chunk, generated, text = request, 0, ""
+        while True:
+            last: TokenEvent | None = None
+            async with contextlib.aclosing(self._stream_chunk(chunk, timing)) as events:
+                async for event in events:
+                    if isinstance(event, TokenEvent) and event.end is not None:
+                        last = event
+                        break
+                    yield event
+            assert last is not None and last.end is not None, "_stream_chunk ends with the last token"
+            generated += last.end.generated_tokens
+            text += last.end.text
+            end = dataclasses.replace(last.end, text=text, generated_tokens=generated)
+            following = None
+            if end.finish_reason == "length" and generated < request.max_total_new_tokens:
+                following = await self._next_chunk(request, chunk, last.end.text, generated)
+            if following is None:
+                self.metrics.request_duration.observe(time.monotonic() - timing.started)
+                yield dataclasses.replace(last, end=end)
+                return
+            yield dataclasses.replace(last, end=None)
+            chunk = following
+
+    async def _next_chunk(self, request: ValidRequest, chunk: ValidRequest, text: str,
+                          generated: int) -> ValidRequest | None:
+        """The request's next chunk (prompt + its text so far), or None when it no longer fits."""
+        inputs = chunk.inputs + text
+        ids = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self.tokenizer.encode, inputs, request.add_special_tokens)
+        serving = self.limits.serving
+        input_length = min(len(ids), request.truncate)
+        remaining = request.max_total_new_tokens - generated
+        max_new = min(remaining, DEFAULT_GENERATION_LENGTH, serving.max_total_tokens - input_length)
+        if max_new <= 0 or len(ids) > serving.max_input_tokens:
+            return None
+        return dataclasses.replace(chunk, inputs=inputs, input_length=input_length, max_new_tokens=max_new)
+
+    async def _stream_chunk(self, request: ValidRequest, timing: Timing) -> AsyncGenerator[InferEvent, None]:
+        """One shard request: its events until its last token."""
         entry = self.queue.append(request)
         self.metrics.queue_size.set(len(self.queue))
         finished = False

@@ -131,6 +131,11 @@ def child_env(args: LauncherArgs) -> dict[str, str]:
         env["MAX_BATCH_SIZE"] = str(a.max_batch_size)
     if a.enable_prefill_logprobs:
         env["REQUEST_LOGPROBS"] = "1"
+    # Upstream's launcher hands the watermark strength to its shards this way.
+    if a.watermark_gamma is not None:
+        env["WATERMARK_GAMMA"] = str(a.watermark_gamma)
+    if a.watermark_delta is not None:
+        env["WATERMARK_DELTA"] = str(a.watermark_delta)
     return env
 
 

@@ -18,8 +18,6 @@ REFUSED = {
     "--lora-adapters": "LoRA adapters are not supported",
     "--rope-scaling": "RoPE scaling overrides are not supported",
     "--rope-factor": "RoPE scaling overrides are not supported",
-    "--watermark-gamma": "watermarking is not supported",
-    "--watermark-delta": "watermarking is not supported",
     "--tokenizer-config-path": "the tokenizer config is read from the model folder",
     "--weights-cache-override": "weights are resolved by `text-generation-server download-weights`",
     "--disable-custom-kernels": "this backend has no custom kernels",
@@ -38,6 +36,11 @@ def _env(name: str, default: str | None) -> str | None:
 def _env_int(name: str, default: int | None) -> int | None:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
+
+
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    return float(value) if value not in (None, "") else None
 
 
 def _env_flag(name: str) -> bool:
@@ -96,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-service-name", default=_env("OTLP_SERVICE_NAME", "text-generation-inference.router"))
     p.add_argument("--usage-stats", default=_env("USAGE_STATS", "on"), choices=["on", "off", "no-stack"])
     p.add_argument("--huggingface-hub-cache", default=_env("HUGGINGFACE_HUB_CACHE", None))
+    p.add_argument("--watermark-gamma", type=float, default=_env_float("WATERMARK_GAMMA"))
+    p.add_argument("--watermark-delta", type=float, default=_env_float("WATERMARK_DELTA"))
     p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None))
     # Extensions of this fork, passed to the shard.
     p.add_argument("--runner", default=_env("RUNNER", "auto"), choices=["auto", "fast", "transformers"])
@@ -133,6 +138,10 @@ class LauncherArgs:
             raise ValueError(f"--speculate {a.speculate}: use a positive number of draft tokens per step")
         if a.validation_workers <= 0:
             raise ValueError("--validation-workers must be > 0")
+        if a.watermark_gamma is not None and not 0.0 < a.watermark_gamma < 1.0:
+            raise ValueError(f"--watermark-gamma {a.watermark_gamma} must be in (0, 1)")
+        if a.watermark_delta is not None and not a.watermark_delta > 0.0:
+            raise ValueError(f"--watermark-delta {a.watermark_delta} must be positive")
 
     @property
     def max_input_tokens(self) -> int | None:

@@ -16,7 +16,7 @@ from .layer_skip_metrics import LayerSkipMetrics
 
 # Every `*_duration` series: 35 geometric buckets from 1.5e-4 s, ratio 1.5.
 DURATION_BUCKETS = tuple(1.5e-4 * 1.5**i for i in range(35))
-BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(11))  # 1 .. 1024
+BATCH_SIZE_BUCKETS = tuple(float(i) for i in range(1, 1025))  # 1, 2, 3 .. 1024, as upstream
 
 
 def _linear(upper: int) -> tuple[float, ...]:

@@ -6,9 +6,10 @@ is refused before validation, as upstream's serde extractor does (422, plain tex
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import AliasChoices, BaseModel, Field, model_validator
 
 from text_generation_router.wire_types import (
     Bool,
@@ -23,8 +24,28 @@ from text_generation_router.wire_types import (
 
 
 class Grammar(BaseModel):
+    """A grammar (`parameters.grammar`, chat `response_format`): TGI's `{type, value}`.
+
+    `json_schema` takes its `{name?, schema}` from `value` or, as OpenAI's clients send it,
+    from `json_schema`; OpenAI's JSON mode `{"type": "json_object"}` without a value asks for
+    any JSON object.
+    """
+
     type: Literal["json", "json_object", "regex", "json_schema"]
     value: Any = None
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _has_value(self) -> Grammar:
+        if self.type == "json_schema":
+            config = self.value if self.value is not None else self.json_schema
+            if not isinstance(config, dict):
+                raise ValueError("a `json_schema` grammar needs `value` (or `json_schema`) = {name?, schema}")
+            if "schema" not in config:
+                raise ValueError("missing field `schema`")
+        elif self.type in ("json", "regex") and self.value is None:
+            raise ValueError("missing field `value`")
+        return self
 
 
 class GenerateParameters(BaseModel):
@@ -107,12 +128,27 @@ class Message(BaseModel):
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content if isinstance(p, TextPart))
+        if content is None and self.tool_calls is not None:  # upstream renders tool calls as their JSON
+            content = json.dumps(self.tool_calls, separators=(",", ":"))
         out: dict[str, Any] = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls is not None:
             out["tool_calls"] = self.tool_calls
         return out
+
+
+class FunctionDefinition(BaseModel):
+    """A function a tool calls; `parameters` (OpenAI) or `arguments` (TGI) hold its JSON schema."""
+
+    name: Str
+    description: OptStr = None
+    arguments: Any = Field(default=None, validation_alias=AliasChoices("arguments", "parameters"))
+
+
+class Tool(BaseModel):
+    type: Str = "function"
+    function: FunctionDefinition
 
 
 class ChatRequest(BaseModel):
@@ -133,8 +169,8 @@ class ChatRequest(BaseModel):
     response_format: Grammar | None = None
     n: OptU32 = None
     logit_bias: dict[Str, OptF32] | list[OptF32] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Str | dict[str, Any] | None = None
     tool_prompt: OptStr = None
 
 

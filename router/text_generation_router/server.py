@@ -14,6 +14,7 @@ from text_generation_router import __version__, openapi
 from text_generation_router.batcher import Batcher
 from text_generation_router.chat import register_openai_routes
 from text_generation_router.client import ShardError
+from text_generation_router.cloud_routes import VertexRequest, register_cloud_routes
 from text_generation_router.connection import ClientGone, unless_disconnected
 from text_generation_router.errors import InferError
 from text_generation_router.generate import generate_response, stream_response
@@ -58,7 +59,8 @@ def build_app(state: AppState, batcher: Batcher) -> FastAPI:
     _register_native_routes(app, state)
     _register_info_routes(app, state)
     register_openai_routes(app, state)
-    openapi.install(app, [GenerateRequest, CompatGenerateRequest, ChatRequest, CompletionRequest])
+    register_cloud_routes(app, state)
+    openapi.install(app, [GenerateRequest, CompatGenerateRequest, ChatRequest, CompletionRequest, VertexRequest])
     return app
 
 

@@ -9,11 +9,19 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
 
 from text_generation_router.config import ServingLimits
-from text_generation_router.schemas import GenerateParameters
+from text_generation_router.schemas import GenerateParameters, Grammar
 
 LAYER_SKIP_MODES = ("off", "shadow", "lossy", "verified")
+GRAMMAR_TYPE_JSON, GRAMMAR_TYPE_REGEX = 1, 2  # proto GrammarType
+ANY_JSON_OBJECT = {"type": "object"}  # OpenAI's JSON mode: {"type": "json_object"} without a schema
+# Upstream serves at most this many new tokens per shard request and re-queues the rest.
+DEFAULT_GENERATION_LENGTH = 1024
 
 
 class ValidationError(ValueError):
@@ -55,15 +63,18 @@ class ValidRequest:
     truncate: int
     add_special_tokens: bool
     parameters: ChooserParameters
-    max_new_tokens: int
+    max_new_tokens: int  # this chunk's (at most DEFAULT_GENERATION_LENGTH)
     stop_sequences: list[str] = field(default_factory=list)
     decoder_input_details: bool = False
     top_n_tokens: int = 0
     adapter_id: str | None = None
     layer_skip_mode: str = ""
+    max_total_new_tokens: int = 0  # all chunks together (the request's max_new_tokens)
 
 
 def validate_best_of(best_of: int, max_best_of: int) -> int:
+    if max_best_of == 1 and best_of != 1:
+        raise ValidationError("`best_of` != 1 is not allowed for this endpoint")
     if best_of == 0 or best_of > max_best_of:
         raise ValidationError(f"`best_of` must be > 0 and <= {max_best_of}. Given: {best_of}")
     return best_of
@@ -107,7 +118,10 @@ def check_sampling_parameters(p: GenerateParameters, limits: Limits) -> None:
 def check_lengths(
     inputs: str, p: GenerateParameters, num_tokens: int, serving: ServingLimits
 ) -> tuple[int, int, int]:
-    """Checks 12-16; returns (truncate, input_length, max_new_tokens).
+    """Checks 12-16; returns (truncate, input_length, max_new_tokens of the first chunk).
+
+    As upstream, the total-token check uses the first chunk (at most 1024 new tokens), so a
+    larger max_new_tokens is admitted and served in chunks while the total fits.
 
     Args:
         num_tokens: the prompt's token count before truncation (tokenization is check 14).
@@ -121,9 +135,7 @@ def check_lengths(
             f"Given: {truncate}"
         )
     input_length = min(num_tokens, truncate) if p.truncate is not None else num_tokens
-    max_new_tokens = p.max_new_tokens
-    if max_new_tokens is None:
-        max_new_tokens = max(serving.max_total_tokens - input_length, 1)
+    max_new_tokens = min(requested_new_tokens(p, input_length, serving), DEFAULT_GENERATION_LENGTH)
     if input_length + max_new_tokens > serving.max_total_tokens:
         raise ValidationError(
             f"`inputs` tokens + `max_new_tokens` must be <= {serving.max_total_tokens}. "
@@ -137,42 +149,52 @@ def check_lengths(
     return truncate, input_length, max_new_tokens
 
 
+def requested_new_tokens(p: GenerateParameters, input_length: int, serving: ServingLimits) -> int:
+    """All the new tokens asked for: max_new_tokens, else what max_total_tokens leaves."""
+    if p.max_new_tokens is not None:
+        return p.max_new_tokens
+    return max(serving.max_total_tokens - input_length, 1)
+
+
 def check_grammar(p: GenerateParameters, limits: Limits) -> tuple[str, int]:
-    """Check 17; returns (grammar, proto GrammarType). Regex passes through as upstream;
-    JSON schemas are sent as GRAMMAR_TYPE_JSON for the shard to compile."""
+    """Check 17; returns (grammar, proto GrammarType). A regex passes through as upstream's router
+    does (the shard compiles it); a JSON schema is checked against the draft 2020-12 meta-schema
+    and sent as GRAMMAR_TYPE_JSON for the shard to compile."""
     if p.grammar is None:
         return "", 0
     if limits.disable_grammar_support:
         raise ValidationError("grammar is not supported")
-    kind, value = p.grammar.type, p.grammar.value
-    if kind == "regex":
-        if not isinstance(value, str):
+    if p.grammar.type == "regex":
+        if not isinstance(p.grammar.value, str):
             raise ValidationError("grammar is not valid: a regex grammar needs a string value")
-        return value, 2
-    if kind in ("json", "json_object", "json_schema"):
-        schema = value.get("schema", value) if kind == "json_schema" and isinstance(value, dict) else value
+        return p.grammar.value, GRAMMAR_TYPE_REGEX
+    return json.dumps(json_schema_of(p.grammar), separators=(",", ":")), GRAMMAR_TYPE_JSON
+
+
+def json_schema_of(grammar: Grammar) -> dict[str, Any]:
+    """The schema of a json / json_object / json_schema grammar, checked as upstream checks it."""
+    if grammar.type == "json_schema":
+        config = grammar.value if grammar.value is not None else grammar.json_schema
+        assert isinstance(config, dict), "the Grammar model checks json_schema's shape"
+        schema = config["schema"]
+    elif grammar.value is None:  # {"type": "json_object"} alone
+        return dict(ANY_JSON_OBJECT)
+    else:
+        schema = grammar.value
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as err:
                 raise ValidationError(f"grammar is not valid: {err}") from err
-        if not isinstance(schema, dict) or "properties" not in schema:
-            raise ValidationError("grammar is not valid: Grammar must have a 'properties' field")
-        return json.dumps(schema, separators=(",", ":")), 1
-    raise ValidationError(f"grammar is not valid: unknown grammar type {kind}")
-
-
-def refuse_unimplemented(p: GenerateParameters) -> None:
-    """The features this backend refuses until they are implemented: the one place to lift.
-
-    Checked after everything else, so a request that would be invalid anyway gets upstream's
-    message for that. Grammar gets upstream's literal message for a router started with
-    `--disable-grammar-support`.
-    """
-    if p.grammar is not None:
-        raise ValidationError("grammar is not supported")
-    if p.watermark:
-        raise ValidationError("`watermark` is not supported by this backend")
+        elif not isinstance(schema, dict):
+            raise ValidationError("grammar is not supported")  # upstream's answer to a non-object value
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as err:
+        raise ValidationError(f"grammar is not valid: {err.message}") from err
+    if not isinstance(schema, dict) or "properties" not in schema:
+        raise ValidationError("grammar is not valid: Grammar must have a 'properties' field")
+    return schema
 
 
 def check_layer_skip(mode: str | None) -> str:
@@ -191,6 +213,7 @@ def build_valid_request(
     lengths: tuple[int, int, int],
     grammar: tuple[str, int],
     add_special_tokens: bool,
+    max_total_new_tokens: int | None = None,
 ) -> ValidRequest:
     truncate, input_length, max_new_tokens = lengths
     seed = p.seed if p.seed is not None else random.getrandbits(63)
@@ -219,4 +242,5 @@ def build_valid_request(
         top_n_tokens=p.top_n_tokens or 0,
         adapter_id=p.adapter_id,
         layer_skip_mode=check_layer_skip(p.layer_skip),
+        max_total_new_tokens=max_total_new_tokens if max_total_new_tokens is not None else max_new_tokens,
     )

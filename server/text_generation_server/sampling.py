@@ -1,7 +1,7 @@
 """Token choice: logits processors, warpers and the seeded sampler, one request at a time.
 
-Order (as upstream TGI): repetition penalty -> frequency penalty -> warpers (temperature,
-top_k, top_p, typical_p) -> log-softmax. Sampling happens when `do_sample` is set or any
+Order (as upstream TGI): watermark -> repetition penalty -> frequency penalty -> grammar mask
+-> warpers (temperature, top_k, top_p, typical_p) -> log-softmax. Sampling happens when `do_sample` is set or any
 warper is active, otherwise the choice is the greedy argmax. Sampling draws
 `argmax(p / Exp(1))` from a generator seeded with the request's seed, so a seeded request is
 reproducible whatever else shares its batch. The reported logprob comes from the warped
@@ -11,9 +11,12 @@ distribution; top-n alternatives come from the unwarped log-softmax.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from .grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
+from .watermark import WatermarkConfig, apply_watermark
 
 
 @dataclass(frozen=True)
@@ -98,34 +101,79 @@ def apply_warpers(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-class NextTokenChooser:
-    """Chooses one request's next token from its logits (see module docstring)."""
+@dataclass(frozen=True)
+class ChoiceContext:
+    """What token choice needs from the model besides a request's parameters.
 
-    def __init__(self, params: SamplingParams) -> None:
+    Attributes:
+        grammars: the model's grammar compiler (None: grammars are refused).
+        watermark: the server's watermark strength (env WATERMARK_GAMMA / WATERMARK_DELTA).
+    """
+
+    grammars: GrammarCompiler | None = None
+    watermark: WatermarkConfig = field(default_factory=WatermarkConfig)
+
+    def matcher(self, spec: GrammarSpec | None) -> GrammarMatcher | None:
+        """A fresh matcher of `spec`; a ValueError when it does not compile (the request's refusal)."""
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise ValueError(f"grammar ({spec.kind.value}) is not enabled on this shard")
+        return self.grammars.matcher(spec)
+
+
+class NextTokenChooser:
+    """Chooses one request's next token from its logits (see module docstring).
+
+    The grammar matcher (if any) advances only through `accept`, with every token the request
+    keeps: a draft that verification rejects is rolled back instead (speculative.py).
+    """
+
+    def __init__(self, params: SamplingParams, watermark: WatermarkConfig | None = None,
+                 grammar: GrammarMatcher | None = None) -> None:
         self.params = params
+        self.watermark = watermark
+        self.grammar = grammar
         self.generator: torch.Generator | None = None
         if params.sampling:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed)
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with no processor at all: the batched argmax of the fast path is this choice."""
+        return self.params.is_plain_greedy and self.watermark is None and self.grammar is None
+
+    def process(self, logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Watermark, penalties, grammar mask and warpers over a copy of one row `[vocab]`."""
+        logits = logits.clone()
+        if self.watermark is not None:
+            apply_watermark(logits, int(token_ids[-1]), self.watermark)
+        logits = apply_penalties(logits, self.params, token_ids)
+        if self.grammar is not None:
+            self.grammar.mask_(logits)
+        return apply_warpers(logits, self.params) if self.params.has_warpers else logits
+
     def __call__(self, logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[int, float]:
-        """Choose from one row of float32 logits `[vocab]`.
+        """Choose from one row of float32 logits `[vocab]` (the grammar does not advance).
 
         Args:
             token_ids: all tokens of the request so far (prompt and generated), int64.
         Returns:
             (token id, logprob of that token under the warped distribution).
         """
-        logits = apply_penalties(logits.clone(), self.params, token_ids)
-        if self.params.has_warpers:
-            logits = apply_warpers(logits, self.params)
-        logprobs = logits.log_softmax(-1)
+        logprobs = self.process(logits, token_ids).log_softmax(-1)
         if self.generator is not None:
             noise = torch.empty_like(logprobs).exponential_(1.0, generator=self.generator)
             token = int(torch.argmax(logprobs.exp() / noise))
         else:
             token = int(torch.argmax(logprobs))
         return token, float(logprobs[token])
+
+    def accept(self, token_id: int) -> None:
+        """The request keeps `token_id`: the grammar advances over it."""
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
 
 def top_n_tokens(logprobs: torch.Tensor, n: int) -> tuple[list[int], list[float]]:

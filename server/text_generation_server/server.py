@@ -30,6 +30,7 @@ from .env import ShardEnv
 from .models.batch import CausalLMBatch
 from .models.causal_lm import CausalLM, Generation, TokenInfo
 from .pb import generate_pb2, generate_pb2_grpc
+from .sampling import ChoiceContext
 
 T = TypeVar("T")
 R = TypeVar("R", generate_pb2.PrefillResponse, generate_pb2.DecodeResponse)
@@ -96,6 +97,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         self.max_input_tokens = config.max_input_tokens
         self.lock = asyncio.Lock()
         self.shutdown = shutdown
+        self.choice = ChoiceContext(model.grammar_compiler(), env.watermark)
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
         try:
@@ -184,7 +186,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     def _from_pb(self, pb: generate_pb2.Batch) -> CausalLMBatch:
         return CausalLMBatch.from_pb(pb, self.model.tokenizer, self.model.runner.num_layers,
-                                     self.model.eos_token_ids, self.max_input_tokens)
+                                     self.model.eos_token_ids, self.max_input_tokens, self.choice)
 
     async def Prefill(self, request: generate_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> generate_pb2.PrefillResponse:
@@ -195,7 +197,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             return self._step(self._from_pb(request.batch), generate_pb2.PrefillResponse, start_ns)
         batch, refused = CausalLMBatch.from_pb_isolated(
             request.batch, self.model.tokenizer, self.model.runner.num_layers, self.model.eos_token_ids,
-            self.max_input_tokens)
+            self.max_input_tokens, self.choice)
         for request_id, message in refused:
             logger.warning(f"Request {request_id} refused: {message}")
         if batch is None:

@@ -1,4 +1,5 @@
-"""The launcher shared by the request-isolation and fuzz tests (one start for both modules)."""
+"""Launchers shared across modules: `isolation_server` (request-isolation and fuzz tests) and
+`server` (the HTTP, guided-generation and conformance tests), each started once per session."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from router_launcher import Launcher, start_launcher
 def isolation_server() -> Iterator[Launcher]:
     launcher = start_launcher(ISOLATION_LIMITS, "isolation")
     yield launcher
-    launcher.stop()  # already gone when the SIGKILL test ran
+    assert launcher.stop() == 0, launcher.log()[-3000:]
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +23,12 @@ def neighbour_solo(isolation_server: Launcher) -> list[int]:
     ids = greedy_ids(isolation_server.url, NEIGHBOUR_TOKENS)
     assert len(ids) == NEIGHBOUR_TOKENS
     return ids
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Launcher]:
+    """The default model behind a launcher with the small limits; also watermark flags, to check
+    that the launcher passes them to the shard."""
+    launcher = start_launcher(["--watermark-gamma", "0.5", "--watermark-delta", "2.0"], "http")
+    yield launcher
+    assert launcher.stop() == 0, launcher.log()[-3000:]

@@ -32,6 +32,7 @@ class Launcher:
     port: int
     uds_path: str
     log_path: Path
+    prometheus_port: int = 0
 
     @property
     def url(self) -> str:
@@ -61,13 +62,14 @@ def start_launcher(extra: list[str], name: str) -> Launcher:
     uds = f"/tmp/tgi-router-tests-{name}-{os.getpid()}"
     log_path = Path(tempfile.mkstemp(prefix=f"launcher-{name}-", suffix=".log")[1])
     exe = str(Path(sys.executable).parent / "text-generation-launcher")
+    prometheus_port = free_port()
     argv = [exe, "--port", str(port), "--shard-uds-path", uds, "--hostname", "127.0.0.1",
-            *SMALL_LIMITS, *extra]
+            "--prometheus-port", str(prometheus_port), *SMALL_LIMITS, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     with log_path.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
-    launcher = Launcher(proc, port, uds, log_path)
+    launcher = Launcher(proc, port, uds, log_path, prometheus_port)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

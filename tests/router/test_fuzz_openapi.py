@@ -89,13 +89,20 @@ def _bound(case: Any) -> None:
 
 
 GET_OPERATIONS = ["/", "/health", "/ping", "/info", "/metrics", "/v1/models"]
-POST_OPERATIONS = ["/generate", "/generate_stream", "/", "/tokenize", "/v1/chat/completions", "/v1/completions"]
+POST_OPERATIONS = ["/generate", "/generate_stream", "/", "/tokenize", "/v1/chat/completions", "/v1/completions",
+                   "/chat_tokenize"]
+# Documented but not fuzzed, and why.
+NOT_FUZZED = {
+    "/vertex": "upstream answers 500 `Incomplete generation` for any failed instance, by design",
+    "/invocations": "its bodies are those of /, /v1/chat/completions and /v1/completions, fuzzed there, and it "
+                    "answers as they do (tests/router/test_conformance_http.py)",
+}
 
 
 def test_every_documented_operation_is_fuzzed(api_schema: Any) -> None:
     documented = {(op.ok().method.upper(), op.ok().path) for op in api_schema.get_all_operations()}
     fuzzed = {("GET", p) for p in GET_OPERATIONS} | {("POST", p) for p in POST_OPERATIONS}
-    assert documented == fuzzed
+    assert documented == fuzzed | {("POST", p) for p in NOT_FUZZED}
 
 
 def _fuzz(api_schema: Any, method: str, path: str, mode: GenerationMode) -> dict[int, int]:

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from isolation_harness import (
+    ISOLATION_LIMITS,
     MAX_CONCURRENT,
     NEIGHBOUR_TOKENS,
     WATCHDOG_S,
@@ -29,7 +30,7 @@ from isolation_harness import (
     raw_connection,
     wait_idle,
 )
-from router_launcher import Launcher
+from router_launcher import Launcher, start_launcher
 
 from text_generation_router.batcher import Batcher, Health
 from text_generation_router.client import ShardClient
@@ -67,8 +68,10 @@ def _chat(fields: str) -> bytes:
 ISSUE_CASES: list[tuple[str, bytes, int, str]] = [
     ("/generate", _generate('"seed":18446744073709551616'), 422, "parameters.seed"),
     ("/generate", _generate('"top_k":4294967296'), 422, "parameters.top_k"),
-    ("/generate", _generate('"grammar":{"type":"regex","value":"[0-9]+"}'), 422, "grammar is not supported"),
-    ("/generate", _generate('"watermark":true'), 422, "`watermark` is not supported"),
+    ("/generate", _generate('"grammar":{"type":"regex","value":"(unclosed"}'), 422,
+     "grammar is not valid: regex grammar does not compile"),  # refused by the shard, alone
+    ("/generate", _generate('"grammar":{"type":"json","value":{"properties":{"a":{"type":"nonsense"}}}}'), 422,
+     "grammar is not valid: 'nonsense' is not valid"),  # the JSON Schema meta-schema, in the router
     ("/generate", _generate('"temperature":NaN'), 422, "parameters.temperature"),
     ("/generate", _generate('"temperature":Infinity'), 422, "parameters.temperature"),
     ("/generate", _generate('"repetition_penalty":-Infinity'), 422, "parameters.repetition_penalty"),
@@ -85,7 +88,10 @@ ISSUE_CASES: list[tuple[str, bytes, int, str]] = [
     ("/v1/chat/completions", _chat('"top_logprobs":-1,"logprobs":true'), 422, "top_logprobs"),
     ("/v1/chat/completions", b'{"messages":[{"role":"user","content":[{"type":"text","text":5}]}]}', 422,
      "messages.0.content.0.text"),
-    ("/v1/chat/completions", _chat('"response_format":{"type":"regex","value":"a+"}'), 422, "grammar"),
+    ("/v1/chat/completions", _chat('"response_format":{"type":"json_schema","json_schema":{"name":"x"}}'), 422,
+     "missing field `schema`"),
+    ("/v1/chat/completions", _chat('"tools":[{"function":{"name":"f"}}],"tool_choice":"g"'), 422,
+     "Tool with name g not found"),
     ("/v1/completions", b'{"prompt":"Hi","max_tokens":-1}', 422, "max_tokens"),
     ("/v1/completions", b'{"prompt":"Hi","max_tokens":2,"stop":["a\\u0000b"]}', 200, "text_completion"),
     *[(route, _inputs_body(route, SURROGATE), 400, "lone surrogate") for route in ALL_BODY_ROUTES],
@@ -111,13 +117,18 @@ def test_issue_cases_fail_alone(isolation_server: Launcher, neighbour_solo: list
 
 
 def test_refused_requests_do_not_fail_the_valid_ones_prefilled_with_them(isolation_server: Launcher) -> None:
-    """Upstream-style batch: 7 valid requests arriving with a grammar and a watermark one."""
+    """Upstream-style batch (8 requests, the launcher's max_concurrent_requests): 6 valid ones (one
+    with a grammar, one watermarked) arriving with two whose regex the shard cannot compile: those
+    two fail alone."""
     valid = {"inputs": "Hello", "parameters": {"max_new_tokens": 3}}
-    bodies: list[bytes | dict[str, object]] = [valid] * 7 + [
-        _generate('"grammar":{"type":"regex","value":"a+"}'), _generate('"watermark":true')]
+    bodies: list[bytes | dict[str, object]] = [valid] * 4 + [
+        _generate('"grammar":{"type":"regex","value":"a+"}'), _generate('"watermark":true'),
+        _generate('"grammar":{"type":"regex","value":"(unclosed"}'),
+        _generate('"grammar":{"type":"regex","value":"[0-9"}')]
     with ThreadPoolExecutor(len(bodies)) as pool:
         answers = list(pool.map(lambda b: post(isolation_server.url, "/generate", b), bodies))
-    assert [a.status for a in answers] == [200] * 7 + [422, 422], [a.text for a in answers]
+    assert [a.status for a in answers] == [200] * 6 + [422, 422], [a.text for a in answers]
+    assert all("regex grammar does not compile" in a.text for a in answers[6:]), [a.text for a in answers[6:]]
 
 
 def _matrix_value_texts() -> list[tuple[str, str]]:
@@ -238,8 +249,6 @@ def test_the_batcher_fails_one_entry_alone(isolation_server: Launcher, neighbour
         _engine_request("Hello", 4, top_k=2**32),
         _engine_request("Hello", 4, stop_sequences=["\ud800"]),  # not encodable as UTF-8
         _engine_request("Hello", 4, adapter_id="\udfff"),
-        _engine_request("Hello", 4, truncate=10**6),  # refused by the shard
-        _engine_request("Hello", 4, watermark=True),
         _engine_request("Hello", 4, temperature=float("nan")),
     ]
     plan = [(0.0, neighbour), *((0.0, r) for r in bad), (0.5, neighbour), *((0.6, r) for r in bad)]
@@ -253,13 +262,19 @@ def test_the_batcher_fails_one_entry_alone(isolation_server: Launcher, neighbour
 
 
 @pytest.mark.timeout(300)
-def test_children_die_with_a_sigkilled_launcher(isolation_server: Launcher) -> None:
-    """Runs last in this module: it ends the session's isolation launcher."""
-    kids = children(isolation_server.proc.pid)
-    assert len(kids) == 2, kids  # the shard and the router
-    os.kill(isolation_server.proc.pid, signal.SIGKILL)
-    isolation_server.proc.wait(WATCHDOG_S)
-    deadline = time.monotonic() + WATCHDOG_S
-    while any(alive(pid) for pid in kids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [pid for pid in kids if alive(pid)], "a child outlived its launcher"
+def test_children_die_with_a_sigkilled_launcher() -> None:
+    """Its own launcher, so that no test shares the one it kills."""
+    launcher = start_launcher(ISOLATION_LIMITS, "sigkill")
+    kids = children(launcher.proc.pid)
+    try:
+        assert len(kids) == 2, kids  # the shard and the router
+        os.kill(launcher.proc.pid, signal.SIGKILL)
+        launcher.proc.wait(WATCHDOG_S)
+        deadline = time.monotonic() + WATCHDOG_S
+        while any(alive(pid) for pid in kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in kids if alive(pid)], "a child outlived its launcher"
+    finally:
+        launcher.stop()
+        for pid in filter(alive, kids):
+            os.kill(pid, signal.SIGKILL)

@@ -1,7 +1,7 @@
 """End to end: a real `text-generation-launcher` on the default model, driven by real clients.
 
-One launcher serves the whole module. Greedy outputs are checked against the shard itself,
-driven over gRPC on the launcher's own socket.
+One launcher (the session's `server`, tests/router/conftest.py) serves these tests. Greedy
+outputs are checked against the shard itself, driven over gRPC on the launcher's own socket.
 """
 
 from __future__ import annotations
@@ -16,20 +16,13 @@ import httpx
 import openai
 import pytest
 from huggingface_hub import InferenceClient
-from router_launcher import Launcher, start_launcher
+from router_launcher import Launcher
 from router_shard_direct import DIRECT_ID_BASE, greedy_tokens
 from text_generation import Client
 
 PROMPT = "def fibonacci(n):"
 PROMPTS = [PROMPT, "The three primary colors are", "import numpy as np\n", "Once upon a time,"]
 MAX_NEW = 8
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Launcher]:
-    launcher = start_launcher([], "http")
-    yield launcher
-    assert launcher.stop() == 0, launcher.log()[-3000:]
 
 
 def sse_events(response: httpx.Response) -> Iterator[str]:

@@ -13,6 +13,7 @@ from text_generation_router.validation import (
     check_layer_skip,
     check_lengths,
     check_sampling_parameters,
+    json_schema_of,
     validate_best_of,
 )
 
@@ -100,3 +101,35 @@ def test_grammar_checks() -> None:
     no_props = GenerateParameters(grammar=Grammar(type="json", value={"type": "object"}))
     with pytest.raises(ValidationError, match="^grammar is not valid: "):
         check_grammar(no_props, LIMITS)
+
+
+def test_max_new_tokens_over_1024_is_admitted_in_chunks() -> None:
+    """As upstream: the total check uses the first chunk (1024 tokens); the rest is re-queued."""
+    big = ServingLimits(max_input_tokens=1024, max_total_tokens=4096, max_batch_prefill_tokens=4096,
+                        max_batch_total_tokens=16000)
+    assert check_lengths("x", GenerateParameters(max_new_tokens=3000), 12, big) == (1024, 12, 1024)
+    assert check_lengths("x", GenerateParameters(max_new_tokens=5000), 12, big)[2] == 1024
+    with pytest.raises(ValidationError, match="`max_new_tokens` must be <= 4096"):
+        check_lengths("x", GenerateParameters(max_new_tokens=3000), 3100, ServingLimits(
+            max_input_tokens=4000, max_total_tokens=4096, max_batch_prefill_tokens=4096,
+            max_batch_total_tokens=16000))
+
+
+def test_best_of_disabled_message() -> None:
+    with pytest.raises(ValidationError, match=r"^`best_of` != 1 is not allowed for this endpoint$"):
+        validate_best_of(2, 1)
+    assert validate_best_of(1, 1) == 1
+
+
+def test_json_schemas_are_checked_against_the_meta_schema() -> None:
+    with pytest.raises(ValidationError, match=r"^grammar is not valid: 'nonsense' is not valid under any"):
+        json_schema_of(Grammar(type="json", value={"properties": {"a": {"type": "nonsense"}}}))
+    with pytest.raises(ValidationError, match=r"^grammar is not valid: Expecting property name"):
+        json_schema_of(Grammar(type="json", value="{not json"))
+    assert json_schema_of(Grammar(type="json", value='{"properties": {"a": {}}}')) == {"properties": {"a": {}}}
+    assert json_schema_of(Grammar(type="json_object")) == {"type": "object"}
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    assert json_schema_of(Grammar(type="json_schema", json_schema={"name": "x", "schema": schema})) == schema
+    assert json_schema_of(Grammar(type="json_schema", value={"schema": schema})) == schema
+    with pytest.raises(ValueError, match="missing field `schema`"):
+        Grammar(type="json_schema", json_schema={"name": "x"})

@@ -26,10 +26,12 @@ def _bad_requests() -> dict[int, tuple[generate_pb2.Request, str]]:
     """Each refusal class the shard checks per request, with a piece of its message."""
     cases = {
         901: (make_request(901, "", 4), "empty input"),
-        902: (make_request(902, "hello", 4, truncate=10**6), "truncate=1000000 is out of range"),
-        903: (make_request(903, "hello", 4, watermark=True), "watermark is not supported"),
-        904: (make_request(904, "hello", 4, grammar="[0-9]+", grammar_type=generate_pb2.GRAMMAR_TYPE_REGEX),
-              "grammar (GRAMMAR_TYPE_REGEX) is not supported"),
+        902: (make_request(902, "hello", 4, grammar="[0-9]+"), "a grammar was sent with GRAMMAR_TYPE_NONE"),
+        903: (make_request(903, "hello", 4, grammar='{"type": "nonsense"}',
+                           grammar_type=generate_pb2.GRAMMAR_TYPE_JSON),
+              "grammar is not valid: json grammar does not compile"),
+        904: (make_request(904, "hello", 4, grammar="[0-9", grammar_type=generate_pb2.GRAMMAR_TYPE_REGEX),
+              "grammar is not valid: regex grammar does not compile"),
         905: (make_request(905, "hello", 0), "max_new_tokens must be strictly positive"),
         906: (make_request(906, "hello", 4, temperature=float("nan")), "temperature must be a finite number"),
         907: (make_request(907, "hello", 4, repetition_penalty=float("inf")), "repetition_penalty must be a finite"),

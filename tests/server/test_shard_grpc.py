@@ -157,12 +157,14 @@ def test_top_n_tokens_and_prefill_logprobs_shapes(shard: Stub) -> None:
         (lambda s: s.Prefill(generate_pb2.PrefillRequest(batch=make_batch(700, [make_request(701, "", 4)]))),
          "request 701: empty input"),
         (lambda s: s.Prefill(generate_pb2.PrefillRequest(batch=make_batch(702, [
-            make_request(703, "hello", 4, truncate=10**6)]))), "truncate=1000000 is out of range"),
+            make_request(703, "hello", 4, grammar="[0-9]+")]))),
+         "request 703: a grammar was sent with GRAMMAR_TYPE_NONE"),
         (lambda s: s.Prefill(generate_pb2.PrefillRequest(batch=make_batch(704, [
-            make_request(705, "hello", 4, grammar="[0-9]+", grammar_type=generate_pb2.GRAMMAR_TYPE_REGEX)]))),
-         "grammar (GRAMMAR_TYPE_REGEX) is not supported"),
+            make_request(705, "hello", 4, grammar="(unclosed", grammar_type=generate_pb2.GRAMMAR_TYPE_REGEX)]))),
+         "request 705: grammar is not valid: regex grammar does not compile"),
         (lambda s: s.Prefill(generate_pb2.PrefillRequest(batch=make_batch(708, [
-            make_request(709, "hello", 4, watermark=True)]))), "request 709: watermark is not supported"),
+            make_request(709, "hello", 4, grammar="{no", grammar_type=generate_pb2.GRAMMAR_TYPE_JSON)]))),
+         "request 709: grammar is not valid: the JSON schema is not JSON"),
         (lambda s: s.Prefill(generate_pb2.PrefillRequest(batch=make_batch(706, [
             make_request(707, "hello", 0)]))), "max_new_tokens must be strictly positive, got 0"),
     ],

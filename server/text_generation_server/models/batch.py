@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from ..grammar import GrammarKind, GrammarSpec
 from ..layerskip.plan import MODES, SkipPlan
 from ..pb import generate_pb2
-from ..sampling import NextTokenChooser, SamplingParams
+from ..sampling import ChoiceContext, NextTokenChooser, SamplingParams
 from ..stopping import StoppingCriteria
 from .plan_groups import GroupKey, PlanGroup
 from .runner.kv_cache import KVCache
@@ -44,12 +45,11 @@ class RequestState:
     generated_ids: list[int] = field(default_factory=list)
 
 
+GRAMMAR_KINDS = {generate_pb2.GRAMMAR_TYPE_JSON: GrammarKind.JSON, generate_pb2.GRAMMAR_TYPE_REGEX: GrammarKind.REGEX}
+
+
 def _params_from_pb(request: generate_pb2.Request) -> SamplingParams:
     p = request.parameters
-    if p.watermark:
-        raise ValueError("watermark is not supported by this shard")
-    if p.grammar_type != generate_pb2.GRAMMAR_TYPE_NONE or p.grammar:
-        raise ValueError(f"grammar ({generate_pb2.GrammarType.Name(p.grammar_type)}) is not supported by this shard")
     return SamplingParams(
         temperature=p.temperature if p.temperature else 1.0,
         top_k=p.top_k,
@@ -60,6 +60,27 @@ def _params_from_pb(request: generate_pb2.Request) -> SamplingParams:
         repetition_penalty=p.repetition_penalty if p.repetition_penalty else 1.0,
         frequency_penalty=p.frequency_penalty,
     )
+
+
+def _grammar_from_pb(request: generate_pb2.Request) -> GrammarSpec | None:
+    p = request.parameters
+    if p.grammar_type == generate_pb2.GRAMMAR_TYPE_NONE:
+        if p.grammar:
+            raise ValueError("a grammar was sent with GRAMMAR_TYPE_NONE")
+        return None
+    if not p.grammar:
+        raise ValueError(f"{generate_pb2.GrammarType.Name(p.grammar_type)} without a grammar")
+    kind = GRAMMAR_KINDS.get(p.grammar_type)
+    if kind is None:
+        raise ValueError(f"grammar_type {p.grammar_type} is not a GrammarType")
+    return GrammarSpec(kind, p.grammar)
+
+
+def _chooser_from_pb(request: generate_pb2.Request, choice: ChoiceContext) -> NextTokenChooser:
+    """The request's token chooser; a grammar that does not compile is this request's ValueError."""
+    params = _params_from_pb(request)
+    watermark = choice.watermark if request.parameters.watermark else None
+    return NextTokenChooser(params, watermark, choice.matcher(_grammar_from_pb(request)))
 
 
 def _prompt_text(request: generate_pb2.Request) -> str:
@@ -79,17 +100,15 @@ def _tokenize(request: generate_pb2.Request, tokenizer: PreTrainedTokenizerBase,
     ids: list[int] = tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"]
     if not ids:
         raise ValueError(f"input {text[:80]!r} encodes to no tokens")
-    if request.truncate:
-        if request.truncate > max_input_tokens:
-            raise ValueError(f"truncate={request.truncate} is out of range (max_input_tokens={max_input_tokens})")
+    if request.truncate:  # upstream's shard keeps the last `truncate` tokens, whatever max_input_tokens is
         ids = ids[-request.truncate:]
-    if len(ids) > max_input_tokens:
+    elif len(ids) > max_input_tokens:
         raise ValueError(f"{len(ids)} input tokens exceed max_input_tokens={max_input_tokens}")
     return ids
 
 
 def _request_state(r: generate_pb2.Request, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int],
-                   max_input_tokens: int) -> RequestState:
+                   max_input_tokens: int, choice: ChoiceContext) -> RequestState:
     """One request's state; a ValueError names what is wrong with this request."""
     ids = _tokenize(r, tokenizer, max_input_tokens)
     stop = r.stopping_parameters
@@ -97,7 +116,7 @@ def _request_state(r: generate_pb2.Request, tokenizer: PreTrainedTokenizerBase, 
         raise ValueError(f"layer_skip mode {r.layer_skip_mode!r} is not one of {', '.join(MODES)}")
     return RequestState(
         id=r.id, all_ids=ids, input_length=len(ids),
-        chooser=NextTokenChooser(_params_from_pb(r)),
+        chooser=_chooser_from_pb(r, choice),
         stopping=StoppingCriteria(stop.max_new_tokens, eos_token_ids, tuple(stop.stop_sequences),
                                   stop.ignore_eos_token),
         top_n_tokens=r.top_n_tokens, prefill_logprobs=r.prefill_logprobs,
@@ -125,14 +144,16 @@ class CausalLMBatch:
         num_layers: int,
         eos_token_ids: frozenset[int],
         max_input_tokens: int,
+        choice: ChoiceContext | None = None,
     ) -> CausalLMBatch:
         """A new batch, or a ValueError naming the first bad request (upstream's behaviour)."""
         if not pb.requests:
             raise ValueError(f"batch {pb.id} has no requests")
         requests: list[RequestState] = []
+        choice = choice or ChoiceContext()
         for r in pb.requests:
             try:
-                requests.append(_request_state(r, tokenizer, eos_token_ids, max_input_tokens))
+                requests.append(_request_state(r, tokenizer, eos_token_ids, max_input_tokens, choice))
             except ValueError as err:
                 raise ValueError(f"request {r.id}: {err}") from err
         return cls._new(pb.id, requests, tokenizer, num_layers)
@@ -145,6 +166,7 @@ class CausalLMBatch:
         num_layers: int,
         eos_token_ids: frozenset[int],
         max_input_tokens: int,
+        choice: ChoiceContext | None = None,
     ) -> tuple[CausalLMBatch | None, list[tuple[int, str]]]:
         """A new batch of the requests that can run, and (id, message) of those refused alone.
 
@@ -154,9 +176,10 @@ class CausalLMBatch:
             raise ValueError(f"batch {pb.id} has no requests")
         requests: list[RequestState] = []
         refused: list[tuple[int, str]] = []
+        choice = choice or ChoiceContext()
         for r in pb.requests:
             try:
-                requests.append(_request_state(r, tokenizer, eos_token_ids, max_input_tokens))
+                requests.append(_request_state(r, tokenizer, eos_token_ids, max_input_tokens, choice))
             except ValueError as err:
                 refused.append((r.id, str(err)))
         batch = cls._new(pb.id, requests, tokenizer, num_layers) if requests else None

@@ -50,18 +50,31 @@ def plain_step(runner: Runner, group: PlanGroup, states: list[RequestState], bia
     logits = runner.forward(input_ids, position_ids, mask, group.cache, last_only=not all_positions,
                             skip_layers=group.skip, bypass_biases=biases)  # [rows, 1 | new, vocab]
     last = logits[:, -1]  # [rows, vocab]
-    if all(s.chooser.params.is_plain_greedy for s in states):
-        logprobs = last.log_softmax(-1)
-        ids = logprobs.argmax(-1)
-        choices = list(zip(ids.tolist(), logprobs.gather(1, ids[:, None]).squeeze(1).tolist(), strict=True))
-    else:
-        choices = [s.chooser(last[row], torch.tensor(s.all_ids)) for row, s in enumerate(states)]
+    choices = choose_tokens(last, states)
+    for s, (token, _) in zip(states, choices, strict=True):
+        s.chooser.accept(token)
     group.advance([token for token, _ in choices])
     return {
         s.id: RowStep([token], [logprob], last[row : row + 1],
                       logits[row] if prefill and s.prefill_logprobs else None)
         for row, (s, (token, logprob)) in enumerate(zip(states, choices, strict=True))
     }
+
+
+def choose_tokens(last: torch.Tensor, states: list[RequestState]) -> list[tuple[int, float]]:
+    """(token, logprob) per row of `last` `[rows, vocab]`: one batched argmax for the plain-greedy
+    rows, each request's chooser (watermark, penalties, grammar, warpers, sampling) for the others."""
+    plain = [row for row, s in enumerate(states) if s.chooser.is_plain_greedy]
+    choices: dict[int, tuple[int, float]] = {}
+    if plain:
+        logprobs = last[plain].log_softmax(-1)  # [plain rows, vocab]
+        ids = logprobs.argmax(-1)
+        values = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+        choices.update(zip(plain, zip(ids.tolist(), values, strict=True), strict=True))
+    for row, s in enumerate(states):
+        if row not in choices:
+            choices[row] = s.chooser(last[row], torch.tensor(s.all_ids))
+    return [choices[row] for row in range(len(states))]
 
 
 def verified_step(runner: Runner, group: PlanGroup, states: list[RequestState], cycle: CyclePlan,
@@ -87,7 +100,7 @@ def verified_step(runner: Runner, group: PlanGroup, states: list[RequestState], 
     for row, (s, p) in enumerate(zip(states, proposals, strict=True)):
         drafted = len(p.token_ids)
         tokens, logprobs, kept = accept(s.chooser.params, s.chooser.generator, logits[row, : drafted + 1],
-                                        s.all_ids, p)
+                                        s.all_ids, p, s.chooser)
         steps[s.id] = RowStep(tokens, logprobs, logits[row, : len(tokens)], drafted=drafted, accepted=kept,
                               source=p.source)
         verify_mask[row, start + 1 + kept:] = 0  # the rejected (and padding) drafts of this row
@@ -113,7 +126,7 @@ def _model_drafts(runner: Runner, group: PlanGroup, states: list[RequestState], 
         for row, (s, p) in enumerate(zip(states, proposals, strict=True)):
             if cycle.model_rows[row]:
                 fed.append(draft_token(s.chooser.params, s.chooser.generator, logits[row], s.all_ids + p.token_ids,
-                                       p, head, runner.vocab_size))
+                                       p, head, runner.vocab_size, s.chooser))
             else:  # a copied or a non-drafting row: keep its tensors in step, its output is unused
                 fed.append(p.token_ids[j] if j < len(p.token_ids) else int(ids[row, -1]))
         ids = torch.tensor(fed, dtype=torch.long)[:, None]

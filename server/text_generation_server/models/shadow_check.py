@@ -82,7 +82,8 @@ def add_twins(batch: CausalLMBatch, monitor: ShadowMonitor) -> None:
     """Before grouping: give the chosen greedy lossy requests an `off` twin in the same batch."""
     for state in list(batch.requests):
         plan = state.plan
-        if plan is None or plan.mode != "lossy" or not plan.applied or state.chooser.params.sampling:
+        constrained = state.chooser.grammar is not None or state.chooser.watermark is not None
+        if plan is None or plan.mode != "lossy" or not plan.applied or state.chooser.params.sampling or constrained:
             continue
         if not monitor.should_shadow():
             continue

@@ -20,6 +20,15 @@ Drafts come from two drafters in the same loop (draft_control.py decides per cyc
 from the draft model (skipped layers + an optional reduced head, draft_head.py). Adaptivity
 (draft length, per-rule switch-off, per-request auto-off) is arithmetic on the measured cost
 model (cost_model.py) and the measured acceptance.
+
+Grammar and watermark: with the request's chooser, model drafts and verification positions go
+through the same processors as `off` (watermark, penalties, grammar mask, warpers). Each model
+draft advances the grammar matcher, so the next draft is proposed under the grammar; before
+verification the matcher is rolled back over every draft and then advances over the tokens
+verification keeps, position by position, each position masked in the state its prefix
+leaves. Copied (n-gram) drafts do not move the matcher: one the grammar forbids is simply
+rejected at its masked position. The matcher ends exactly past the accepted tokens, and greedy
+output equals `off`'s.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling import SamplingParams, apply_penalties, apply_warpers
+from ..sampling import NextTokenChooser, SamplingParams, apply_penalties, apply_warpers
 from .cost_model import MAX_DRAFT, CostModel, tokens_per_cycle
 from .draft_head import DraftHead
 
@@ -114,35 +123,51 @@ class Proposal:
     token_ids: list[int] = field(default_factory=list)
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
     source: str = "model"  # "model" (layer-skip draft) or "ngram"
+    grammar_steps: int = 0  # model drafts the grammar matcher advanced over (none once it terminated)
 
 
-def target_logits(params: SamplingParams, logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
-    """Penalties and warpers applied to one position's logits, given the tokens before it."""
+def target_logits(params: SamplingParams, logits: torch.Tensor, prefix: list[int],
+                  chooser: NextTokenChooser | None = None) -> torch.Tensor:
+    """One position's logits through the request's processors, given the tokens before it:
+    the chooser's (watermark, penalties, grammar mask in the matcher's current state, warpers),
+    or, without a chooser, penalties and warpers."""
+    if chooser is not None:
+        return chooser.process(logits, torch.tensor(prefix, dtype=torch.long))
     out = apply_penalties(logits.clone(), params, torch.tensor(prefix, dtype=torch.long))
     return apply_warpers(out, params) if params.has_warpers else out
 
 
 def draft_token(params: SamplingParams, generator: torch.Generator | None, logits: torch.Tensor,
-                prefix: list[int], proposal: Proposal, head: DraftHead | None = None, vocab_size: int = 0) -> int:
-    """Choose one draft token (greedy argmax, or a draw from the warped draft distribution).
+                prefix: list[int], proposal: Proposal, head: DraftHead | None = None, vocab_size: int = 0,
+                chooser: NextTokenChooser | None = None) -> int:
+    """Choose one draft token (greedy argmax, or a draw from the warped draft distribution);
+    with a chooser that has a grammar, the matcher advances over it (`accept` rolls it back).
 
     Args:
         logits: `[vocab]`, or `[head.size]` when the draft ran a reduced head.
-        head / vocab_size: the reduced head and the full vocabulary size (for sampling and
-            penalties, which need the full-vocabulary form; q is zero outside the head's ids).
+        head / vocab_size: the reduced head and the full vocabulary size (for sampling, penalties
+            and grammar masks, which need the full-vocabulary form; q is zero outside the head's ids).
     """
-    if head is not None and params.is_plain_greedy:
+    if head is not None and params.is_plain_greedy and (chooser is None or chooser.is_plain_greedy):
         token = int(head.to_ids(logits.argmax()))
     else:
         full = head.to_full(logits, vocab_size) if head is not None else logits
-        warped = target_logits(params, full, prefix)
-        if generator is None:
+        warped = target_logits(params, full, prefix, chooser)
+        if generator is None or not bool(torch.isfinite(warped).any()):
+            # greedy, or a grammar that allows none of the reduced head's words: a point draft
+            # (q(d) = 1; verification rejects it unless the full model agrees)
             token = int(warped.argmax())
+            if generator is not None:
+                proposal.draft_probs.append(None)
         else:
             probs = warped.softmax(-1)
             token = int(torch.multinomial(probs, 1, generator=generator))
             proposal.draft_probs.append(probs)
     proposal.token_ids.append(token)
+    grammar = chooser.grammar if chooser is not None else None
+    if grammar is not None and not grammar.terminated:
+        grammar.accept(token)
+        proposal.grammar_steps += 1
     return token
 
 
@@ -167,17 +192,22 @@ def _rejection_step(generator: torch.Generator, p: torch.Tensor, q: torch.Tensor
 
 
 def accept(params: SamplingParams, generator: torch.Generator | None, verify_logits: torch.Tensor,
-           prefix: list[int], proposal: Proposal) -> tuple[list[int], list[float], int]:
+           prefix: list[int], proposal: Proposal,
+           chooser: NextTokenChooser | None = None) -> tuple[list[int], list[float], int]:
     """Accepted tokens (drafts then the full model's own), their logprobs, and the drafts kept.
 
     Args:
         verify_logits: `[k + 1, vocab]` full-model logits after the pending token and each draft.
         prefix: the request's tokens before the first draft.
+        chooser: the request's chooser; its grammar matcher (advanced over the drafts by
+            `draft_token`) is rolled back, then advanced over each accepted token.
     """
+    if chooser is not None and chooser.grammar is not None:
+        chooser.grammar.rollback(proposal.grammar_steps)
     tokens: list[int] = []
     logprobs: list[float] = []
     for j, draft in enumerate([*proposal.token_ids, None]):
-        logp = target_logits(params, verify_logits[j], prefix + tokens).log_softmax(-1)
+        logp = target_logits(params, verify_logits[j], prefix + tokens, chooser).log_softmax(-1)
         if generator is None:
             choice = int(logp.argmax())
         elif draft is not None:
@@ -186,6 +216,8 @@ def accept(params: SamplingParams, generator: torch.Generator | None, verify_log
             choice = int(torch.multinomial(logp.exp(), 1, generator=generator))
         tokens.append(choice)
         logprobs.append(float(logp[choice]))
+        if chooser is not None:
+            chooser.accept(choice)
         if draft is None or choice != draft:
             return tokens, logprobs, j
     raise AssertionError("the last position has no draft, so the loop always returns")

@@ -1,0 +1,67 @@
+"""What the OpenAI-compatible routes share: parameter mapping and response envelopes (spec §2.5-2.6)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from text_generation_router import __version__
+from text_generation_router.errors import InferError
+from text_generation_router.infer import Generation, Timing
+from text_generation_router.schemas import GenerateParameters
+from text_generation_router.state import AppState
+
+FINGERPRINT = f"{__version__}-native"
+OPENAI_FINISH = {"eos_token": "stop", "length": "length", "stop_sequence": "stop_sequence"}
+
+
+class OpenAIError(InferError):
+    status = 422
+
+    def __init__(self, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        self.metric_label = "validation"
+
+
+def sampling(temperature: float | None) -> tuple[bool, float | None]:
+    """Temperature 0 means greedy; anything else, absent included, samples (§8.6)."""
+    if temperature == 0:
+        return False, None
+    return True, temperature
+
+
+def stops(stop: list[str] | str | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def adapter(model: str | None, state: AppState) -> str | None:
+    if model in (None, "", "tgi", state.model_id, state.config.tokenizer_name):
+        return None
+    return model
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+async def generate_one(state: AppState, prompt: str, p: GenerateParameters, timing: Timing,
+                       add_special_tokens: bool) -> Generation:
+    request = await state.infer.validate(prompt, p, add_special_tokens=add_special_tokens)
+    timing.validated = time.monotonic()
+    return await state.infer.generate(request, timing)
+
+
+def logprobs_json(g: Generation) -> dict[str, Any]:
+    content = []
+    for n, t in enumerate(g.tokens):
+        top = g.top_tokens[n] if n < len(g.top_tokens) else []
+        content.append({"token": t.text, "logprob": t.logprob,
+                        "top_logprobs": [{"token": x.text, "logprob": x.logprob} for x in top]})
+    return {"content": content}
