@@ -32,10 +32,11 @@ def summarize(figures: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
 
 
 def write_results(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(exist_ok=True)
+    """Write benchmark/results/NAME.json, or NAME itself when it is a path ending in .json."""
+    path = Path(name) if name.endswith(".json") else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                            "date": time.strftime("%Y-%m-%d %H:%M:%S")}, **payload}
-    path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
     return path

@@ -161,7 +161,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--policy", default="auto")
     parser.add_argument("--speculate", type=int, default=6)
-    parser.add_argument("--out", default="layerskip_modes")
+    parser.add_argument("--out", default="layerskip_modes",
+                        help="results name (benchmark/results/NAME.json) or a path ending in .json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
