@@ -51,6 +51,17 @@ class IncompleteGeneration(InferError):
         super().__init__("Incomplete generation")
 
 
+class IncompleteStream(InferError):
+    """A stream that ended without its last token (the native stream's own error_type)."""
+
+    status = 500
+    error_type = "incomplete_generation_stream"
+    metric_label = "incomplete"
+
+    def __init__(self) -> None:
+        super().__init__("Incomplete generation stream")
+
+
 class TemplateFailed(InferError):
     status = 422
     error_type = "template_error"

@@ -177,7 +177,6 @@ class Infer:
             if end.finish_reason == "length" and generated < request.max_total_new_tokens:
                 following = await self._next_chunk(request, chunk, last.end.text, generated)
             if following is None:
-                self.metrics.request_duration.observe(time.monotonic() - timing.started)
                 yield dataclasses.replace(last, end=end)
                 return
             yield dataclasses.replace(last, end=None)
@@ -219,6 +218,14 @@ class Infer:
             if not finished:  # the client went away: counted once, here, wherever it was
                 entry.dropped = True
                 self.metrics.request_failure.labels(err="dropped").inc()
+
+    async def complete(
+        self, inputs: str, p: GenerateParameters, timing: Timing, add_special_tokens: bool
+    ) -> Generation:
+        """Validate one prompt and run it to completion."""
+        request = await self.validate(inputs, p, add_special_tokens)
+        timing.validated = time.monotonic()
+        return await self.generate(request, timing)
 
     async def generate(self, request: ValidRequest, timing: Timing) -> Generation:
         """Run a request to completion and collect its tokens."""

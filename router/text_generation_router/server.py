@@ -98,13 +98,12 @@ def _register_native_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/generate", openapi_extra=body_route(GenerateRequest, json_ok("GenerateResponse")))
     async def generate(request: Request) -> Response:
         req = await read_json(request, GenerateRequest, limit)
-        work = generate_response(state, req, default_full_text=False, as_list=False)
-        return await unless_disconnected(request, work)
+        return await generate_response(state, request, req, default_full_text=False, as_list=False)
 
     @app.post("/generate_stream", openapi_extra=body_route(GenerateRequest, sse_ok("StreamResponse events")))
     async def generate_stream(request: Request) -> Response:
         req = await read_json(request, GenerateRequest, limit)
-        return stream_response(state, req, default_full_text=False)
+        return stream_response(state, request, req, default_full_text=False)
 
     @app.post("/", openapi_extra=body_route(
         CompatGenerateRequest, json_or_sse_ok("[GenerateResponse], or StreamResponse events")))
@@ -112,9 +111,8 @@ def _register_native_routes(app: FastAPI, state: AppState) -> None:
         req = await read_json(request, CompatGenerateRequest, limit)
         # return_full_text defaults to true for an unknown pipeline tag (spec §8.1).
         if req.stream:
-            return stream_response(state, req, default_full_text=True)
-        work = generate_response(state, req, default_full_text=True, as_list=True)
-        return await unless_disconnected(request, work)
+            return stream_response(state, request, req, default_full_text=True)
+        return await generate_response(state, request, req, default_full_text=True, as_list=True)
 
     @app.post("/tokenize", openapi_extra=body_route(
         GenerateRequest, json_ok("Tokens with their offsets", {"type": "array", "items": {"type": "object"}})))
