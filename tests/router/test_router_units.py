@@ -10,8 +10,8 @@ import pytest
 
 from text_generation_router import sse
 from text_generation_router.config import RouterConfig, ServingLimits
+from text_generation_router.dispatch import build_warmup_batch
 from text_generation_router.events import GeneratedText, LayerSkip, Token
-from text_generation_router.handshake import build_warmup_batch
 from text_generation_router.infer import Generation, Timing
 from text_generation_router.launcher import router_argv, shard_argv
 from text_generation_router.launcher_args import parse_args
