@@ -24,7 +24,7 @@ from text_generation_router.connection import unless_disconnected
 from text_generation_router.errors import TemplateFailed
 from text_generation_router.events import TokenEvent
 from text_generation_router.http_body import read_json
-from text_generation_router.infer import Generation, Timing
+from text_generation_router.infer import FinishedGeneration, Timing
 from text_generation_router.lifecycle import Lifecycle
 from text_generation_router.openai_shapes import (
     FINGERPRINT,
@@ -116,7 +116,7 @@ async def chat_completion(state: AppState, http: Request, req: ChatRequest) -> R
 
 async def _chat_answer(
     state: AppState, req: ChatRequest, plan: ChatPlan, timing: Timing
-) -> tuple[Generation, dict[str, Any], ChatPlan]:
+) -> tuple[FinishedGeneration, dict[str, Any], ChatPlan]:
     """The generation, message and plan that answered: a model that chose no_tool is asked
     again, without tools."""
     g = await state.infer.complete(plan.prompt, plan.params, timing, False)
@@ -220,4 +220,4 @@ def register_openai_routes(app: FastAPI, state: AppState) -> None:
         return await unless_disconnected(request, chat_tokenize(state, body))
 
 
-__all__ = ["Generation", "register_openai_routes"]
+__all__ = ["register_openai_routes"]

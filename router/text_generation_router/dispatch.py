@@ -15,7 +15,7 @@ from loguru import logger
 
 from text_generation_router.events import (
     GeneratedText,
-    LayerSkip,
+    LayerSkipReport,
     PrefillEvent,
     Token,
     TokenEvent,
@@ -181,11 +181,11 @@ def _tokens(t: pb.Tokens) -> list[Token]:
     ]
 
 
-def _layer_skip(g: pb.Generation) -> LayerSkip | None:
+def _layer_skip(g: pb.Generation) -> LayerSkipReport | None:
     if not g.HasField("layer_skip"):
         return None
     r = g.layer_skip
-    return LayerSkip(
+    return LayerSkipReport(
         mode=r.mode, skipped_layers=list(r.skipped_layers), rule=r.rule,
         max_score=r.max_score, mean_score=r.mean_score, stats=dict(r.stats),
     )

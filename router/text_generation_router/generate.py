@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from text_generation_router import sse
 from text_generation_router.errors import IncompleteStream, InferError, ValidationFailed
 from text_generation_router.events import TokenEvent
-from text_generation_router.infer import Generation, Timing, run_together
+from text_generation_router.infer import FinishedGeneration, Timing, run_together
 from text_generation_router.lifecycle import Lifecycle
 from text_generation_router.responses import generate_headers, generate_json, stream_token_json
 from text_generation_router.schemas import GenerateRequest
@@ -20,7 +20,7 @@ from text_generation_router.state import AppState
 from text_generation_router.validation import ValidationError, validate_best_of
 
 
-def _mean_logprob(g: Generation) -> float:
+def _mean_logprob(g: FinishedGeneration) -> float:
     if not g.tokens:
         return float("-inf")
     return sum(t.logprob for t in g.tokens) / len(g.tokens)
@@ -28,7 +28,7 @@ def _mean_logprob(g: Generation) -> float:
 
 async def run_generate(
     state: AppState, req: GenerateRequest, timing: Timing
-) -> tuple[Generation, list[Generation]]:
+) -> tuple[FinishedGeneration, list[FinishedGeneration]]:
     """Validate and run one request (or best_of copies); returns (best, others)."""
     p = req.effective_parameters()
     best_of = p.best_of if p.best_of is not None else 1

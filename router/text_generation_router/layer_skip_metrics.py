@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-from .events import LayerSkip
+from .events import LayerSkipReport
 
 DECISION_BUCKETS = tuple(1e-5 * 2**i for i in range(20))  # 10 us .. 5 s
 RATIO_BUCKETS = tuple(i / 10 for i in range(11))
@@ -68,12 +68,12 @@ class LayerSkipMetrics:
     def set_policy(self, state: str, mode: str) -> None:
         self.policy_loaded.labels(state=state or "none", mode=mode or "off").set(1)
 
-    def observe_plan(self, report: LayerSkip) -> None:
+    def observe_plan(self, report: LayerSkipReport) -> None:
         self.plans.labels(mode=report.mode, rule=report.rule).inc()
         self.layers_skipped.observe(len(report.skipped_layers))
         self.decision_duration.observe(report.stats.get("decision_ms", 0.0) / 1000)
 
-    def observe_end(self, report: LayerSkip | None) -> int:
+    def observe_end(self, report: LayerSkipReport | None) -> int:
         """Shadow-check and drafting statistics of a finished request; returns its accepted drafts."""
         if report is not None and "shadow_consistency" in report.stats:
             self.consistency_ratio.set(report.stats["shadow_consistency"])

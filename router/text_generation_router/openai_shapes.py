@@ -7,7 +7,7 @@ from typing import Any
 
 from text_generation_router import __version__, sse
 from text_generation_router.errors import InferError
-from text_generation_router.infer import Generation
+from text_generation_router.infer import FinishedGeneration
 from text_generation_router.state import AppState
 
 FINGERPRINT = f"{__version__}-native"
@@ -55,7 +55,7 @@ def error_event(err: InferError) -> bytes:
     return sse.event({"error": {"message": err.message, "http_status_code": 422}})
 
 
-def logprobs_json(g: Generation) -> dict[str, Any]:
+def logprobs_json(g: FinishedGeneration) -> dict[str, Any]:
     content = []
     for n, t in enumerate(g.tokens):
         top = g.top_tokens[n] if n < len(g.top_tokens) else []

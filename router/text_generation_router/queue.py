@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from text_generation_router.events import ErrorEvent, InferEvent, LayerSkip
+from text_generation_router.events import ErrorEvent, InferEvent, LayerSkipReport
 from text_generation_router.validation import ValidRequest
 
 
@@ -30,7 +30,7 @@ class Entry:
     dropped: bool = False
     # Set by the batcher once the request has its last event (last token or error).
     done: bool = False
-    layer_skip: LayerSkip | None = None
+    layer_skip: LayerSkipReport | None = None
 
     def fail(self, kind: str, message: str) -> None:
         """End this request alone with an error event (see ErrorEvent for the kinds)."""
