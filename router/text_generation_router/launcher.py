@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 
 from text_generation_router.launcher_args import LauncherArgs, parse_args
+from text_generation_router.layer_skip import LayerSkipMode
 
 POLL_S = 0.1
 TAIL_LINES = 40
@@ -189,7 +190,7 @@ def shard_argv(args: LauncherArgs) -> list[str]:
     if args.max_input_tokens is not None:
         argv += ["--max-input-tokens", str(args.max_input_tokens)]
     argv += ["--runner", a.runner]
-    if a.layer_skip_mode != "off":
+    if a.layer_skip_mode != LayerSkipMode.OFF:
         argv += ["--layer-skip-mode", a.layer_skip_mode]
     if a.layer_skip_policy:
         argv += ["--layer-skip-policy", a.layer_skip_policy]

@@ -8,6 +8,8 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
+from text_generation_router.layer_skip import LAYER_SKIP_MODES, LayerSkipMode
+
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 # Upstream flags that have no meaning on this backend, with what to do instead.
@@ -104,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None))
     # Extensions of this fork, passed to the shard.
     p.add_argument("--runner", default=_env("RUNNER", "auto"), choices=["auto", "fast", "transformers"])
-    p.add_argument("--layer-skip-mode", default=_env("LAYER_SKIP_MODE", "off"),
-                   choices=["off", "shadow", "lossy", "verified"])
+    p.add_argument("--layer-skip-mode", default=_env("LAYER_SKIP_MODE", LayerSkipMode.OFF.value),
+                   choices=LAYER_SKIP_MODES)
     p.add_argument("--layer-skip-policy", default=_env("LAYER_SKIP_POLICY", None))
     p.add_argument("--layer-skip-on-bad-policy", default=_env("LAYER_SKIP_ON_BAD_POLICY", "exit"),
                    choices=["exit", "off"])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from .events import LayerSkipReport
+from .layer_skip import LayerSkipMode
 
 DECISION_BUCKETS = tuple(1e-5 * 2**i for i in range(20))  # 10 us .. 5 s
 RATIO_BUCKETS = tuple(i / 10 for i in range(11))
@@ -66,7 +67,7 @@ class LayerSkipMetrics:
         )
 
     def set_policy(self, state: str, mode: str) -> None:
-        self.policy_loaded.labels(state=state or "none", mode=mode or "off").set(1)
+        self.policy_loaded.labels(state=state or "none", mode=mode or LayerSkipMode.OFF.value).set(1)
 
     def observe_plan(self, report: LayerSkipReport) -> None:
         self.plans.labels(mode=report.mode, rule=report.rule).inc()
@@ -81,7 +82,7 @@ class LayerSkipMetrics:
             if total > self.rollbacks_seen:
                 self.rollbacks.inc(total - self.rollbacks_seen)
                 self.rollbacks_seen = total
-        if report is None or report.mode != "verified" or "drafted" not in report.stats:
+        if report is None or report.mode != LayerSkipMode.VERIFIED or "drafted" not in report.stats:
             return 0
         drafted, accepted = int(report.stats["drafted"]), int(report.stats["accepted"])
         self.drafted_tokens.inc(drafted)
