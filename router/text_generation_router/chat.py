@@ -38,7 +38,6 @@ from text_generation_router.openai_shapes import (
     usage,
 )
 from text_generation_router.openapi import body_route, json_ok, json_or_sse_ok
-from text_generation_router.responses import generate_headers
 from text_generation_router.schemas import ChatRequest, CompletionRequest, GenerateParameters, Grammar
 from text_generation_router.state import AppState
 from text_generation_router.tokenizer import TemplateError
@@ -99,7 +98,7 @@ def response_model(req: ChatRequest, state: AppState) -> str:
 
 
 async def chat_completion(state: AppState, http: Request, req: ChatRequest) -> Response:
-    call = Lifecycle.start(state.infer, http)
+    call = Lifecycle.start(state, http)
     plan = call.prepare(lambda: plan_chat(req, state))
     if req.stream:
         return call.stream(lambda: _chat_events(state, req, plan), error_event, len(plan.prompt), sse.DONE)
@@ -111,7 +110,7 @@ async def chat_completion(state: AppState, http: Request, req: ChatRequest) -> R
                      "finish_reason": OPENAI_FINISH[g.generated.finish_reason]}],
         "usage": usage(g.request.input_length, g.generated.generated_tokens),
     }
-    return sse.NanSafeJSONResponse(body, headers=generate_headers(g, call.timing, len(plan.prompt)))
+    return sse.NanSafeJSONResponse(body, headers=call.headers(g, len(plan.prompt)))
 
 
 async def _chat_answer(

@@ -106,7 +106,7 @@ def vertex_prompts(state: AppState, req: VertexRequest) -> list[tuple[str, Gener
 
 
 async def vertex(state: AppState, http: Request, req: VertexRequest) -> JSONResponse:
-    call = Lifecycle.start(state.infer, http)
+    call = Lifecycle.start(state, http)
     prompts = call.prepare(lambda: vertex_prompts(state, req))
     generations = await call.answer(
         lambda: run_together([state.infer.complete(prompt, params, Timing(), special)

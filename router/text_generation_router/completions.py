@@ -55,7 +55,7 @@ def _envelope(state: AppState, choices: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def completion(state: AppState, http: Request, req: CompletionRequest) -> Response:
-    call = Lifecycle.start(state.infer, http)
+    call = Lifecycle.start(state, http)
     prompts, p = call.prepare(lambda: completion_parameters(req, state))
     if req.stream:
         return call.stream(lambda: _completion_events(state, prompts, p), error_event,

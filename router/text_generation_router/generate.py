@@ -14,7 +14,7 @@ from text_generation_router.errors import IncompleteStream, InferError, Validati
 from text_generation_router.events import TokenEvent
 from text_generation_router.infer import FinishedGeneration, Timing, run_together
 from text_generation_router.lifecycle import Lifecycle
-from text_generation_router.responses import generate_headers, generate_json, stream_token_json
+from text_generation_router.responses import generate_json, stream_token_json
 from text_generation_router.schemas import GenerateRequest
 from text_generation_router.state import AppState
 from text_generation_router.validation import ValidationError, validate_best_of
@@ -55,13 +55,13 @@ async def generate_response(
     state: AppState, http: Request, req: GenerateRequest, default_full_text: bool, as_list: bool
 ) -> sse.NanSafeJSONResponse:
     """Non-streaming answer of /generate (object) or / (one-item list)."""
-    call = Lifecycle.start(state.infer, http)
+    call = Lifecycle.start(state, http)
     best, others = await call.answer(lambda: run_generate(state, req, call.timing))
     p = req.effective_parameters()
     full = p.return_full_text if p.return_full_text is not None else default_full_text
     details = p.details or p.decoder_input_details
     body = generate_json(best, details, full, others)
-    headers = generate_headers(best, call.timing, len(req.inputs))
+    headers = call.headers(best, len(req.inputs))
     return sse.NanSafeJSONResponse([body] if as_list else body, headers=headers)
 
 
@@ -95,6 +95,6 @@ def stream_response(
     state: AppState, http: Request, req: GenerateRequest, default_full_text: bool
 ) -> StreamingResponse:
     """SSE of StreamResponse events; always 200, errors arrive as events (no [DONE])."""
-    call = Lifecycle.start(state.infer, http)
+    call = Lifecycle.start(state, http)
     return call.stream(lambda: _stream_events(state, req, default_full_text, call.timing), error_event,
                        len(req.inputs))

@@ -26,8 +26,9 @@ from fastapi.responses import StreamingResponse
 from text_generation_router import sse
 from text_generation_router.connection import unless_disconnected
 from text_generation_router.errors import InferError
-from text_generation_router.infer import Infer, Timing
-from text_generation_router.responses import stream_headers
+from text_generation_router.infer import FinishedGeneration, Timing
+from text_generation_router.responses import generate_headers, stream_headers
+from text_generation_router.state import AppState
 
 T = TypeVar("T")
 
@@ -38,16 +39,21 @@ ErrorChunk = Callable[[InferError], bytes]
 class Lifecycle:
     """One HTTP request on a generation route; `timing` starts when it arrives."""
 
-    def __init__(self, infer: Infer, http: Request) -> None:
-        self.infer = infer
+    def __init__(self, state: AppState, http: Request) -> None:
+        self.infer = state.infer
+        self.compute_type = state.env.compute_type
         self.http = http
         self.timing = Timing()
 
     @classmethod
-    def start(cls, infer: Infer, http: Request) -> Lifecycle:
+    def start(cls, state: AppState, http: Request) -> Lifecycle:
         """The lifecycle of a request just arrived: counted in tgi_request_count."""
-        infer.metrics.request_count.inc()
-        return cls(infer, http)
+        state.metrics.request_count.inc()
+        return cls(state, http)
+
+    def headers(self, g: FinishedGeneration, num_characters: int) -> dict[str, str]:
+        """The x-* headers of a non-streaming answer of `g`."""
+        return generate_headers(g, self.timing, num_characters, self.compute_type)
 
     def prepare(self, translate: Callable[[], T]) -> T:
         """The route's translation of its body; its refusal is counted and raised as itself."""
@@ -84,7 +90,7 @@ class Lifecycle:
         """
         return StreamingResponse(
             sse.with_keep_alive(self._stream(events, error_event, done)),
-            media_type="text/event-stream", headers=stream_headers(num_characters),
+            media_type="text/event-stream", headers=stream_headers(num_characters, self.compute_type),
         )
 
     async def _in_slot(self, work: Callable[[], Awaitable[T]]) -> T:

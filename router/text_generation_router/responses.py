@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -81,18 +80,16 @@ def stream_token_json(
     return body
 
 
-def compute_type() -> str:
-    return os.environ.get("COMPUTE_TYPE", "gpu+optimized")
-
-
-def generate_headers(g: FinishedGeneration, timing: Timing, num_characters: int) -> dict[str, str]:
+def generate_headers(
+    g: FinishedGeneration, timing: Timing, num_characters: int, compute_type: str
+) -> dict[str, str]:
     """The x-* headers of a non-streaming answer (times in ms, compute time in s)."""
     now = time.monotonic()
     total_s = now - timing.started
     validation_s = timing.validated - timing.started
     n = max(g.generated.generated_tokens, 1)
     headers = {
-        "x-compute-type": compute_type(),
+        "x-compute-type": compute_type,
         "x-compute-time": f"{total_s}",
         "x-compute-characters": str(num_characters),
         "x-total-time": str(int(total_s * 1000)),
@@ -109,9 +106,9 @@ def generate_headers(g: FinishedGeneration, timing: Timing, num_characters: int)
     return headers
 
 
-def stream_headers(num_characters: int) -> dict[str, str]:
+def stream_headers(num_characters: int, compute_type: str) -> dict[str, str]:
     return {
-        "x-compute-type": compute_type(),
+        "x-compute-type": compute_type,
         "x-compute-characters": str(num_characters),
         "X-Accel-Buffering": "no",
         "Cache-Control": "no-cache",

@@ -11,6 +11,7 @@ import pytest
 from text_generation_router import sse
 from text_generation_router.config import RouterConfig, ServingLimits
 from text_generation_router.dispatch import build_warmup_batch
+from text_generation_router.env import RouterEnv
 from text_generation_router.events import GeneratedText, LayerSkipReport, Token
 from text_generation_router.infer import FinishedGeneration, Timing
 from text_generation_router.launcher import router_argv, shard_argv
@@ -128,17 +129,17 @@ def test_keep_alive_comments_and_cleanup_on_disconnect() -> None:
 
 def test_layer_skip_report_in_details_and_headers() -> None:
     skip = LayerSkipReport(mode="shadow", skipped_layers=[3, 7], rule="low-variance", max_score=0.5,
-                     mean_score=0.25, stats={"variance": 0.1})
+                           mean_score=0.25, stats={"variance": 0.1})
     request = build_valid_request("hi", GenerateParameters(max_new_tokens=1), (8, 1, 1), ("", 0), True)
     g = FinishedGeneration(request=request, generated=GeneratedText("!", 1, "length", None),
-                   tokens=[Token(0, "!", -0.5, False)], layer_skip=skip)
+                           tokens=[Token(0, "!", -0.5, False)], layer_skip=skip)
     body = generate_json(g, details=True, return_full_text=False, others=[])
     assert body["details"]["layer_skip"] == {
         "mode": "shadow", "skipped_layers": [3, 7], "rule": "low-variance", "max_score": 0.5,
         "mean_score": 0.25, "stats": {"variance": 0.1},
     }
     assert "layer_skip" not in generate_json(g, details=False, return_full_text=False, others=[])
-    headers = generate_headers(g, Timing(), 2)
+    headers = generate_headers(g, Timing(), 2, RouterEnv().compute_type)
     assert headers["x-layer-skip-mode"] == "shadow" and headers["x-layers-skipped"] == "2"
 
 
@@ -146,12 +147,12 @@ def test_layer_skip_metrics_follow_the_shard_reports() -> None:
     metrics = build_metrics(100, 200)
     skip = metrics.layer_skip
     lossy = LayerSkipReport(mode="lossy", skipped_layers=[4, 7], rule="calm", max_score=0.1, mean_score=0.05,
-                      stats={"decision_ms": 0.2, "shadow_consistency": 0.5, "shadow_checks": 4, "rollbacks": 1})
+                            stats={"decision_ms": 0.2, "shadow_consistency": 0.5, "shadow_checks": 4, "rollbacks": 1})
     skip.observe_plan(lossy)
     assert skip.observe_end(lossy) == 0
     skip.observe_end(lossy)  # the same total again: no second rollback
     verified = LayerSkipReport(mode="verified", skipped_layers=[4], rule="default", max_score=0.0, mean_score=0.0,
-                         stats={"drafted": 10, "accepted": 6, "draft_length": 3, "auto_off": 1.0})
+                               stats={"drafted": 10, "accepted": 6, "draft_length": 3, "auto_off": 1.0})
     assert skip.observe_end(verified) == 6
     text = render(metrics).decode()
     assert 'tgi_layer_skip_plans{mode="lossy",rule="calm"} 1.0' in text
