@@ -4,23 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
+from fastapi import Request
 
 from text_generation_router import sse
 from text_generation_router.config import RouterConfig, ServingLimits
 from text_generation_router.dispatch import build_warmup_batch
 from text_generation_router.env import RouterEnv
+from text_generation_router.errors import Overloaded, ValidationFailed
 from text_generation_router.events import GeneratedText, LayerSkipReport, Token
-from text_generation_router.infer import FinishedGeneration, Timing
+from text_generation_router.generate import error_event
+from text_generation_router.infer import FinishedGeneration, Infer, Timing
 from text_generation_router.launcher import router_argv, shard_argv
 from text_generation_router.launcher_args import parse_args
+from text_generation_router.lifecycle import Lifecycle
 from text_generation_router.metrics import build_metrics, render
-from text_generation_router.queue import Budget, count_admissible
+from text_generation_router.queue import Budget, Queue, count_admissible
 from text_generation_router.responses import generate_headers, generate_json
 from text_generation_router.schemas import GenerateParameters
-from text_generation_router.validation import build_valid_request
+from text_generation_router.state import AppState
+from text_generation_router.tokenizer import Tokenizer
+from text_generation_router.validation import Limits, build_valid_request
 
 
 def test_sse_framing_is_compact_without_space() -> None:
@@ -160,3 +168,34 @@ def test_layer_skip_metrics_follow_the_shard_reports() -> None:
     assert "tgi_layer_skip_rollbacks 1.0" in text and "# TYPE tgi_layer_skip_rollbacks counter" in text
     assert "tgi_layer_skip_accepted_tokens 6.0" in text and "tgi_layer_skip_auto_off 1.0" in text
     assert "tgi_layer_skip_acceptance_ratio_sum 0.6" in text
+
+
+def _series(text: str, name: str) -> float:
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
+
+
+def test_lifecycle_counts_a_stream_once_whatever_its_end() -> None:
+    metrics = build_metrics(100, 200)
+    infer = Infer(cast(Tokenizer, None), Queue(), cast(Limits, None), metrics, 1, 1)
+    state = cast(AppState, SimpleNamespace(infer=infer, metrics=metrics, env=RouterEnv()))
+
+    async def tokens() -> AsyncGenerator[bytes, None]:
+        yield b"data:1\n\n"
+
+    async def refused() -> AsyncGenerator[bytes, None]:
+        raise ValidationFailed("no")
+        yield b""
+
+    async def body(events: Callable[[], AsyncGenerator[bytes, None]]) -> list[bytes]:
+        response = Lifecycle.start(state, cast(Request, None)).stream(events, error_event, 1, sse.DONE)
+        return [bytes(chunk) async for chunk in response.body_iterator]
+
+    assert asyncio.run(body(tokens)) == [b"data:1\n\n", sse.DONE]
+    assert asyncio.run(body(refused)) == [error_event(ValidationFailed("no")), sse.DONE]
+    infer.in_flight = 1  # the only slot is taken
+    assert asyncio.run(body(tokens)) == [error_event(Overloaded()), sse.DONE]
+    text = render(metrics).decode()
+    assert _series(text, "tgi_request_count") == 3 and _series(text, "tgi_request_success") == 1
+    assert _series(text, 'tgi_request_failure{err="validation"}') == 1
+    assert _series(text, 'tgi_request_failure{err="overloaded"}') == 1
+    assert _series(text, "tgi_request_duration_count") == 1
