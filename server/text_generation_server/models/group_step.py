@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import Proposal, accept, choose_tokens, copied_drafts, draft_token
 from .batch import RequestState
 from .draft_control import CyclePlan
 from .draft_head import DraftHead
 from .plan_groups import PlanGroup
 from .runner.base import Runner
-from .speculative import Proposal, accept, copied_drafts, draft_token
 
 
 @dataclass
@@ -50,31 +50,13 @@ def plain_step(runner: Runner, group: PlanGroup, states: list[RequestState], bia
     logits = runner.forward(input_ids, position_ids, mask, group.cache, last_only=not all_positions,
                             skip_layers=group.skip, bypass_biases=biases)  # [rows, 1 | new, vocab]
     last = logits[:, -1]  # [rows, vocab]
-    choices = choose_tokens(last, states)
-    for s, (token, _) in zip(states, choices, strict=True):
-        s.chooser.accept(token)
+    choices = choose_tokens(last, [s.chooser for s in states], [s.all_ids for s in states])
     group.advance([token for token, _ in choices])
     return {
         s.id: RowStep([token], [logprob], last[row : row + 1],
                       logits[row] if prefill and s.prefill_logprobs else None)
         for row, (s, (token, logprob)) in enumerate(zip(states, choices, strict=True))
     }
-
-
-def choose_tokens(last: torch.Tensor, states: list[RequestState]) -> list[tuple[int, float]]:
-    """(token, logprob) per row of `last` `[rows, vocab]`: one batched argmax for the plain-greedy
-    rows, each request's chooser (watermark, penalties, grammar, warpers, sampling) for the others."""
-    plain = [row for row, s in enumerate(states) if s.chooser.is_plain_greedy]
-    choices: dict[int, tuple[int, float]] = {}
-    if plain:
-        logprobs = last[plain].log_softmax(-1)  # [plain rows, vocab]
-        ids = logprobs.argmax(-1)
-        values = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
-        choices.update(zip(plain, zip(ids.tolist(), values, strict=True), strict=True))
-    for row, s in enumerate(states):
-        if row not in choices:
-            choices[row] = s.chooser(last[row], torch.tensor(s.all_ids))
-    return [choices[row] for row in range(len(states))]
 
 
 def verified_step(runner: Runner, group: PlanGroup, states: list[RequestState], cycle: CyclePlan,
