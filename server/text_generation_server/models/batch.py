@@ -134,7 +134,7 @@ class CausalLMBatch:
     groups: list[PlanGroup]
     num_layers: int
     pad_id: int
-    max_tokens: int = 0
+    max_tokens: int = 0  # estimated once the rows are grouped (prefill), then after every change
 
     @classmethod
     def from_pb(
@@ -188,15 +188,13 @@ class CausalLMBatch:
     @classmethod
     def _new(cls, batch_id: int, requests: list[RequestState], tokenizer: PreTrainedTokenizerBase,
              num_layers: int) -> CausalLMBatch:
-        """Every row in one group; `regroup` splits it by plan before prefill."""
+        """A batch without groups: `form_groups` forms them once its requests' plans are known (prefill)."""
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        batch = cls(batch_id, requests, [], num_layers, pad_id)
-        batch.regroup({s.id: NO_SKIP for s in requests})
-        return batch
+        return cls(batch_id, requests, [], num_layers, pad_id)
 
-    def regroup(self, keys: dict[int, GroupKey]) -> None:
+    def form_groups(self, keys: dict[int, GroupKey]) -> None:
         """Before prefill: one group per distinct key, rows in batch order."""
-        assert not self.prefilled, "groups are formed once, before prefill"
+        assert not self.groups, "groups are formed once, before prefill"
         members: dict[GroupKey, list[RequestState]] = {}
         for state in self.requests:
             members.setdefault(keys[state.id], []).append(state)
@@ -206,6 +204,10 @@ class CausalLMBatch:
             for key, states in members.items()
         ]
         self.max_tokens = self._estimate_max_tokens()
+
+    def padded_prompt_tokens(self) -> int:
+        """Tokens of the prompts left-padded to the longest, as one group (warmup's measure)."""
+        return len(self.requests) * max(s.input_length for s in self.requests)
 
     def to_pb(self) -> generate_pb2.CachedBatch:
         ids = [s.id for s in self.requests if s.shadow_of is None]  # shadow twins stay internal

@@ -1,14 +1,14 @@
 """CausalLM: one generation step over a cached batch.
 
-`generate_token` reads like the request path: plan (new requests) -> forward (one per plan
-group) -> choose tokens -> stop checks and generations -> advance the batch. Generations
-are plain dataclasses; the servicer turns them into protobuf.
+`generate_token` reads like the request path: plan (new requests' skip plans, each group's
+step) -> forward (every group) -> choose tokens (every group, which then advances) -> stop
+checks and generations, each stage timed apart (step_timing.py). Generations are plain
+dataclasses; the servicer turns them into protobuf.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -23,12 +23,13 @@ from .batch import NO_SKIP, CausalLMBatch, RequestState
 from .cost_model import CostModel, DraftKey
 from .draft_control import DraftController, SpeculateConfig
 from .draft_head import DraftHeads
-from .group_step import RowStep, plain_step, verified_step
+from .group_step import GroupStep, PlainStep, RowStep, VerifiedStep
 from .plan_groups import GroupKey
 from .runner.base import Runner
 from .shadow_check import add_twins, compare_twins
 from .skip_planner import SkipPlanner
 from .speculative import SpecState
+from .step_timing import Stage, StageClock, StepTimings
 
 
 @dataclass
@@ -89,12 +90,6 @@ def skip_report(state: RequestState) -> SkipReport | None:
     return SkipReport(plan.mode, sorted(plan.skipped), plan.rule, dict(plan.scores), stats)
 
 
-@dataclass
-class StepTimings:
-    forward_ns: int
-    decode_ns: int
-
-
 class CausalLM:
     """A loaded model with its tokenizer, runner and skip planner, able to run batches."""
 
@@ -143,17 +138,22 @@ class CausalLM:
 
     def generate_token(self, batch: CausalLMBatch) -> tuple[list[Generation], CausalLMBatch | None, StepTimings]:
         """Run one step; returns the generations, the batch to cache (None if all stopped) and timings."""
-        start = time.perf_counter_ns()
-        if not batch.prefilled:
-            self.plan(batch)
-        steps = self.run_groups(batch)  # request id -> its tokens of this step
-        forward_done = time.perf_counter_ns()
-        generations = self.generations(batch, steps)
-        self.adapt_drafting(batch, steps)
-        generations = self.check_shadows(batch, generations)
+        clock = StageClock()
+        with clock.stage(Stage.PLAN):
+            if not batch.prefilled:
+                self.plan(batch)
+            group_steps = self.group_steps(batch)
+        with clock.stage(Stage.FORWARD):
+            for group_step in group_steps:
+                group_step.forward(clock)
+        with clock.stage(Stage.CHOOSE):
+            steps = {rid: row for group_step in group_steps for rid, row in group_step.choose().items()}
+        with clock.stage(Stage.STOP):
+            generations = self.generations(batch, steps)
+            self.adapt_drafting(batch, steps)
+            generations = self.check_shadows(batch, generations)
         alive = any(not s.finished for s in batch.requests)
-        timings = StepTimings(forward_done - start, time.perf_counter_ns() - forward_done)
-        return generations, (batch if alive else None), timings
+        return generations, (batch if alive else None), clock.timings()
 
     def plan(self, batch: CausalLMBatch) -> None:
         """Decide each request's SkipPlan and group the batch's rows by the layers they skip."""
@@ -169,7 +169,7 @@ class CausalLM:
         if self.planner.monitor is not None:
             add_twins(batch, self.planner.monitor)
             keys.update((s.id, NO_SKIP) for s in batch.requests if s.shadow_of is not None)
-        batch.regroup(keys)
+        batch.form_groups(keys)
 
     def speculation_for(self, plan: SkipPlan) -> SpecState | None:
         """A new request's drafters: verified plans draft with their rule's draft model (unless the
@@ -182,20 +182,23 @@ class CausalLM:
             return SpecState(rule=plan.rule, skip=plan.skipped if admitted else frozenset(), vocab=plan.draft.vocab)
         return SpecState(rule=plan.rule) if self.speculation.ngram_for_all else None
 
-    def run_groups(self, batch: CausalLMBatch) -> dict[int, RowStep]:
-        """One step per plan group: a plain forward, or a draft-verify cycle where rows speculate."""
+    def group_steps(self, batch: CausalLMBatch) -> list[GroupStep]:
+        """One step per plan group: a plain forward, or a draft-verify cycle where rows speculate.
+
+        Groups hold disjoint requests, so every group's step is planned before any forward
+        runs, and every forward before any choice, with the same tokens as one group at a time."""
         by_id = {s.id: s for s in batch.requests}
-        steps: dict[int, RowStep] = {}
+        out: list[GroupStep] = []
         for group in batch.groups:
             states = [by_id[rid] for rid in group.request_ids]
             if group.cache.length and any(s.spec is not None for s in states):
                 cycle = self.controller.plan_cycle(states, group.draft_skip)
                 if cycle.drafts_anything:
                     head = self.heads.get(cycle.vocab) if cycle.model_k else None
-                    steps.update(verified_step(self.runner, group, states, cycle, self.planner.biases, head))
+                    out.append(VerifiedStep(self.runner, group, states, cycle, self.planner.biases, head))
                     continue
-            steps.update(plain_step(self.runner, group, states, self.planner.biases))
-        return steps
+            out.append(PlainStep(self.runner, group, states, self.planner.biases))
+        return out
 
     def adapt_drafting(self, batch: CausalLMBatch, steps: dict[int, RowStep]) -> None:
         """Count each drafting row's cycle (request and rule); move requests whose model drafting
