@@ -135,7 +135,7 @@ def serve(
         None, help="roll back below this ratio (default: the policy's calibrated consistency)"),
 ) -> None:
     """Serve MODEL_ID over gRPC on the unix socket {uds_path}-{rank}."""
-    from .models.shadow_check import ShadowConfig
+    from .models.audit_check import AuditConfig
     from .models.skip_planner import LayerSkipConfig
 
     setup_logging(logger_level, json_output)
@@ -143,7 +143,7 @@ def serve(
         model, config = _build(model_id, revision, sharded, quantize, speculate, dtype, kv_cache_dtype,
                                trust_remote_code, uds_path, max_input_tokens, runner,
                                LayerSkipConfig(layer_skip_mode, layer_skip_policy, layer_skip_on_bad_policy,
-                                               ShadowConfig(layer_skip_shadow_rate, layer_skip_shadow_window,
+                                               AuditConfig(layer_skip_shadow_rate, layer_skip_shadow_window,
                                                             layer_skip_consistency_target)))
     except ValueError as err:
         logger.error(str(err))

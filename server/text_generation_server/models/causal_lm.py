@@ -19,6 +19,7 @@ from ..grammar import GrammarCompiler
 from ..layerskip import SkipPlan
 from ..sampling import top_n_tokens
 from ..stopping import FinishReason
+from .audit_check import add_twins, compare_twins
 from .batch import NO_SKIP, CausalLMBatch, RequestState
 from .cost_model import CostModel, DraftKey
 from .draft_control import DraftController, SpeculateConfig
@@ -26,7 +27,6 @@ from .draft_head import DraftHeads
 from .group_step import GroupStep, PlainStep, RowStep, VerifiedStep
 from .plan_groups import GroupKey
 from .runner.base import Runner
-from .shadow_check import add_twins, compare_twins
 from .skip_planner import SkipPlanner
 from .speculative import SpecState
 from .step_timing import Stage, StageClock, StepTimings
@@ -59,12 +59,12 @@ class Generation:
     prefill_tokens: TokenInfo | None = None
     top_tokens: list[TokenInfo] = field(default_factory=list)
     generated_text: FinishedText | None = None
-    layer_skip: SkipReport | None = None
+    layer_skip: LayerSkipReport | None = None
     error: str | None = None  # this request failed alone in this step (it is finished, no tokens)
 
 
 @dataclass
-class SkipReport:
+class LayerSkipReport:
     """A request's plan, reported on its first and its last generation (when its mode is not off)."""
 
     mode: str
@@ -74,7 +74,7 @@ class SkipReport:
     stats: dict[str, float]
 
 
-def skip_report(state: RequestState) -> SkipReport | None:
+def layer_skip_report(state: RequestState) -> LayerSkipReport | None:
     """The request's plan, with its decision time and (verified mode) drafting statistics."""
     plan = state.plan
     if plan is None or plan.mode == "off":
@@ -87,7 +87,7 @@ def skip_report(state: RequestState) -> SkipReport | None:
                      auto_off=float(spec.auto_off), ngram_drafted=spec.ngram.drafted,
                      ngram_accepted=spec.ngram.accepted, model_drafted=spec.model.drafted,
                      model_accepted=spec.model.accepted, draft_vocab=spec.vocab)
-    return SkipReport(plan.mode, sorted(plan.skipped), plan.rule, dict(plan.scores), stats)
+    return LayerSkipReport(plan.mode, sorted(plan.skipped), plan.rule, dict(plan.scores), stats)
 
 
 class CausalLM:
@@ -151,7 +151,7 @@ class CausalLM:
         with clock.stage(Stage.STOP):
             generations = self.generations(batch, steps)
             self.adapt_drafting(batch, steps)
-            generations = self.check_shadows(batch, generations)
+            generations = self.check_audit_twins(batch, generations)
         alive = any(not s.finished for s in batch.requests)
         return generations, (batch if alive else None), clock.timings()
 
@@ -168,7 +168,7 @@ class CausalLM:
                 keys[state.id] = (plan.applied, frozenset())
         if self.planner.monitor is not None:
             add_twins(batch, self.planner.monitor)
-            keys.update((s.id, NO_SKIP) for s in batch.requests if s.shadow_of is not None)
+            keys.update((s.id, NO_SKIP) for s in batch.requests if s.audit_of is not None)
         batch.form_groups(keys)
 
     def speculation_for(self, plan: SkipPlan) -> SpecState | None:
@@ -214,12 +214,12 @@ class CausalLM:
         if stop_drafting:
             batch.move(stop_drafting, NO_SKIP)
 
-    def check_shadows(self, batch: CausalLMBatch, generations: list[Generation]) -> list[Generation]:
-        """Hide the shadow twins' generations, settle their comparisons, report the window."""
+    def check_audit_twins(self, batch: CausalLMBatch, generations: list[Generation]) -> list[Generation]:
+        """Hide the audit twins' generations, settle their comparisons, report the window."""
         monitor = self.planner.monitor
         if monitor is None:
             return generations
-        twins = {s.id for s in batch.requests if s.shadow_of is not None}
+        twins = {s.id for s in batch.requests if s.audit_of is not None}
         if twins and compare_twins(batch, monitor):
             self.planner.roll_back()
         shown = [g for g in generations if g.request_id not in twins]
@@ -278,7 +278,7 @@ class CausalLM:
                     str(self.tokenizer.decode(state.generated_ids, skip_special_tokens=True)),
                     len(state.generated_ids), reason, params.seed if params.sampling else None)
                 break
-        report = skip_report(state) if first_step or finished is not None else None
+        report = layer_skip_report(state) if first_step or finished is not None else None
         return Generation(state.id, tokens, prefill, top, finished, report)
 
     def prefill_tokens(self, state: RequestState, logits: torch.Tensor) -> TokenInfo:

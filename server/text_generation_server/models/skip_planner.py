@@ -4,7 +4,7 @@ It wraps the layerskip library's `Scheduler` (the same object users embed) with 
 configuration: the default mode, the policy file, and what to do when the policy is refused.
 A refused policy never leaves skipping half-on: the shard either exits (the default) or, with
 `--layer-skip-on-bad-policy off`, serves every request with skipping off and says so in its
-logs and in Info (`layer_skip_policy_state = "refused"`). A policy that the online shadow
+logs and in Info (`layer_skip_policy_state = "refused"`). A policy that the online audit
 checks find inconsistent is rolled back the same way (`"rolled_back"`).
 """
 
@@ -19,8 +19,8 @@ from torch import nn
 
 from ..layerskip import Scheduler, SkipPlan
 from ..layerskip.plan import MODES
+from .audit_check import AuditConfig, AuditMonitor
 from .batch import RequestState
-from .shadow_check import ShadowConfig, ShadowMonitor
 from .shipped_policies import AUTO, find_shipped_policy, policy_dir
 
 DEFAULT_CONSISTENCY_TARGET = 0.9  # when neither a flag nor the policy's calibration gives one
@@ -37,13 +37,13 @@ class LayerSkipConfig:
         policy_path: a policy JSON file, or "auto" (the shipped policy that matches the model,
             see shipped_policies.py); without one the decider never skips a layer.
         on_bad_policy: "exit" refuses to start with a bad policy; "off" serves with skipping off.
-        shadow: online shadow checks of lossy requests (see shadow_check.py).
+        audit: online audit checks of lossy requests (see audit_check.py).
     """
 
     mode: str = "off"
     policy_path: str | None = None
     on_bad_policy: str = "exit"
-    shadow: ShadowConfig = field(default_factory=ShadowConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,13 +76,13 @@ class SkipPlanner:
         policy = self.scheduler.policy
         # Graceful bypass: a skipped layer adds its mean residual update (from the sidecar).
         self.biases: dict[int, torch.Tensor] = dict(policy.biases) if policy.bypass == "graceful" else {}
-        self.monitor: ShadowMonitor | None = None
-        if config.shadow.rate > 0:
+        self.monitor: AuditMonitor | None = None
+        if config.audit.rate > 0:
             calibration = self.scheduler.policy.calibration
-            target = config.shadow.target
+            target = config.audit.target
             if target is None:
                 target = calibration.consistency if calibration is not None else DEFAULT_CONSISTENCY_TARGET
-            self.monitor = ShadowMonitor(config.shadow, target)
+            self.monitor = AuditMonitor(config.audit, target)
 
     @staticmethod
     def _resolve_auto(model: nn.Module, config: LayerSkipConfig) -> LayerSkipConfig:
@@ -98,7 +98,7 @@ class SkipPlanner:
         return replace(config, policy_path=str(path))
 
     def roll_back(self) -> None:
-        """Stop skipping for every new request (the shadow checks found the policy inconsistent)."""
+        """Stop skipping for every new request (the audit checks found the policy inconsistent)."""
         self.policy_state = "rolled_back"
         self.mode = "off"
 

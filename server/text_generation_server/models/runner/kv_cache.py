@@ -101,6 +101,11 @@ class KVCache:
             out.keys[i], out.values[i] = new_k, new_v
         return out
 
+    def filter(self, rows: list[int], new_length: int) -> None:
+        """Keep `rows` (in that order) and only the last `new_length` columns, in place."""
+        kept = self.select(rows, new_length)
+        self.num_rows, self.length, self.keys, self.values = kept.num_rows, kept.length, kept.keys, kept.values
+
     def crop(self, length: int) -> None:
         """Forget the columns from `length` on (speculative drafts that were rejected)."""
         assert 0 <= length <= self.length, f"cannot crop to {length} of {self.length} columns"
