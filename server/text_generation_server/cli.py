@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Optional
 import typer
 from loguru import logger
 
+from .layerskip import LayerSkipMode
+
 if TYPE_CHECKING:
     from .models.causal_lm import CausalLM
     from .models.skip_planner import LayerSkipConfig
@@ -125,7 +127,8 @@ def serve(
     otlp_service_name: str = "text-generation-inference.server",
     max_input_tokens: Optional[int] = None,  # noqa: UP045
     runner: str = typer.Option("auto", help="auto | fast | transformers (force the fallback)"),
-    layer_skip_mode: str = typer.Option("off", help="default layer-skip mode: off | shadow | lossy | verified"),
+    layer_skip_mode: str = typer.Option(LayerSkipMode.OFF.value,
+                                        help="default layer-skip mode: off | shadow | lossy | verified"),
     layer_skip_policy: Optional[str] = typer.Option(  # noqa: UP045
         None, help="layer-skip policy JSON file, or auto: the shipped policy whose fingerprints match the model"),
     layer_skip_on_bad_policy: str = typer.Option("exit", help="exit | off: what a refused policy does"),

@@ -29,6 +29,7 @@ from .cache import Cache
 from .env import ShardEnv
 from .models.batch import CausalLMBatch
 from .models.causal_lm import CausalLM, Generation, TokenInfo
+from .models.skip_planner import PolicyState
 from .pb import generate_pb2, generate_pb2_grpc
 from .sampling import ChoiceContext
 
@@ -174,7 +175,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         batch = self._from_pb(warmup_batch)
         padded_tokens = batch.padded_prompt_tokens()
         self.model.generate_token(batch)  # a dry run; the result is not cached
-        if self.model.planner.policy_state == "loaded":
+        if self.model.planner.policy_state == PolicyState.LOADED:
             cost = self.model.costs()
             logger.info(f"Verified-mode cost model: step {cost.step_s * 1000:.1f} ms, verify "
                         f"{[round(t * 1000, 1) for t in cost.verify_s]} ms, {cost.layer_s * 1000:.2f} ms/layer")

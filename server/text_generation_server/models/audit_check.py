@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from loguru import logger
 
-from ..layerskip import SkipPlan
+from ..layerskip import LayerSkipMode, SkipPlan
 from ..sampling import NextTokenChooser
 from .batch import CausalLMBatch, RequestState
 
@@ -87,7 +87,8 @@ def add_twins(batch: CausalLMBatch, monitor: AuditMonitor) -> None:
     for state in list(batch.requests):
         plan = state.plan
         constrained = state.chooser.grammar is not None or state.chooser.watermark is not None
-        if plan is None or plan.mode != "lossy" or not plan.applied or state.chooser.params.sampling or constrained:
+        lossy = plan is not None and plan.mode == LayerSkipMode.LOSSY and bool(plan.applied)
+        if not lossy or state.chooser.params.sampling or constrained:
             continue
         if not monitor.should_audit():
             continue

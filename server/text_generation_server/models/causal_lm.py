@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..detokenize import decode_token
 from ..grammar import GrammarCompiler
-from ..layerskip import SkipPlan
+from ..layerskip import LayerSkipMode, SkipPlan
 from ..sampling import top_n_tokens
 from ..stopping import FinishReason
 from .audit_check import add_twins, compare_twins
@@ -27,7 +27,7 @@ from .draft_head import DraftHeads
 from .group_step import GroupStep, PlainStep, RowStep, VerifiedStep
 from .plan_groups import GroupKey
 from .runner.base import Runner
-from .skip_planner import SkipPlanner
+from .skip_planner import PolicyState, SkipPlanner
 from .speculative import SpecState
 from .step_timing import Stage, StageClock, StepTimings
 
@@ -77,7 +77,7 @@ class LayerSkipReport:
 def layer_skip_report(state: RequestState) -> LayerSkipReport | None:
     """The request's plan, with its decision time and (verified mode) drafting statistics."""
     plan = state.plan
-    if plan is None or plan.mode == "off":
+    if plan is None or plan.mode == LayerSkipMode.OFF:
         return None
     stats = {"decision_ms": state.decision_ms}
     spec = state.spec
@@ -132,8 +132,8 @@ class CausalLM:
 
         As upstream's router reads it: up to this many tokens beyond one per step (KV columns).
         """
-        possible = (self.speculation.ngram_for_all or self.planner.policy_state == "loaded"
-                    or self.planner.mode == "verified")
+        possible = (self.speculation.ngram_for_all or self.planner.policy_state == PolicyState.LOADED
+                    or self.planner.mode == LayerSkipMode.VERIFIED)
         return self.speculation.max_draft if possible else 0
 
     def generate_token(self, batch: CausalLMBatch) -> tuple[list[Generation], CausalLMBatch | None, StepTimings]:
@@ -162,7 +162,7 @@ class CausalLM:
             plan = state.plan = self.planner.plan(state)
             plan.check_layers(self.runner.num_layers)
             state.spec = self.speculation_for(plan)
-            if plan.mode == "verified":  # verification runs the full model: every layer keeps its cache
+            if plan.mode == LayerSkipMode.VERIFIED:  # verification runs the full model: every layer keeps its cache
                 keys[state.id] = (frozenset(), state.spec.skip if state.spec is not None else frozenset())
             else:
                 keys[state.id] = (plan.applied, frozenset())
@@ -175,9 +175,9 @@ class CausalLM:
         """A new request's drafters: verified plans draft with their rule's draft model (unless the
         rule's drafting is switched off) and n-gram copies; with --speculate, off and shadow
         requests draft n-gram copies too. None: plain decoding."""
-        if self.speculate == 0 or plan.mode == "lossy":
+        if self.speculate == 0 or plan.mode == LayerSkipMode.LOSSY:
             return None
-        if plan.mode == "verified":
+        if plan.mode == LayerSkipMode.VERIFIED:
             admitted = bool(plan.skipped) and self.controller.admits(plan.rule, plan.draft.acceptance)
             return SpecState(rule=plan.rule, skip=plan.skipped if admitted else frozenset(), vocab=plan.draft.vocab)
         return SpecState(rule=plan.rule) if self.speculation.ngram_for_all else None

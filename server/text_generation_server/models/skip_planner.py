@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
 import torch
 from loguru import logger
 from torch import nn
 
-from ..layerskip import Scheduler, SkipPlan
+from ..layerskip import LayerSkipMode, Scheduler, SkipPlan
 from ..layerskip.plan import MODES
 from .audit_check import AuditConfig, AuditMonitor
 from .batch import RequestState
@@ -26,6 +27,15 @@ from .shipped_policies import AUTO, find_shipped_policy, policy_dir
 DEFAULT_CONSISTENCY_TARGET = 0.9  # when neither a flag nor the policy's calibration gives one
 
 BAD_POLICY_ACTIONS = ("exit", "off")
+
+
+class PolicyState(StrEnum):
+    """The served policy's state (Info's layer_skip_policy_state: the values are the wire's)."""
+
+    NONE = "none"  # no policy: the decider never skips a layer
+    LOADED = "loaded"
+    REFUSED = "refused"  # refused at start, served with skipping off (--layer-skip-on-bad-policy off)
+    ROLLED_BACK = "rolled_back"  # the audit checks found it inconsistent: skipping off for new requests
 
 
 @dataclass(frozen=True)
@@ -40,7 +50,7 @@ class LayerSkipConfig:
         audit: online audit checks of lossy requests (see audit_check.py).
     """
 
-    mode: str = "off"
+    mode: str = LayerSkipMode.OFF
     policy_path: str | None = None
     on_bad_policy: str = "exit"
     audit: AuditConfig = field(default_factory=AuditConfig)
@@ -60,7 +70,7 @@ class SkipPlanner:
         config = self._resolve_auto(model, config)
         self.config = config
         self.mode = config.mode
-        self.policy_state = "none" if config.policy_path is None else "loaded"
+        self.policy_state = PolicyState.NONE if config.policy_path is None else PolicyState.LOADED
         try:
             self.scheduler = Scheduler.from_model(model, config.policy_path, mode=config.mode)
         except ValueError as err:
@@ -68,10 +78,10 @@ class SkipPlanner:
                 raise
             logger.error(f"{err}. Serving with layer skipping OFF for every request "
                          f"(--layer-skip-on-bad-policy off)")
-            self.policy_state = "refused"
-            self.mode = "off"
-            self.scheduler = Scheduler.from_model(model, None, mode="off")
-        if config.policy_path is not None and self.policy_state == "loaded":
+            self.policy_state = PolicyState.REFUSED
+            self.mode = LayerSkipMode.OFF
+            self.scheduler = Scheduler.from_model(model, None, mode=LayerSkipMode.OFF)
+        if config.policy_path is not None and self.policy_state == PolicyState.LOADED:
             logger.info(f"Layer-skip policy {config.policy_path} aligned to the loaded model; mode {self.mode}")
         policy = self.scheduler.policy
         # Graceful bypass: a skipped layer adds its mean residual update (from the sidecar).
@@ -93,14 +103,14 @@ class SkipPlanner:
         if path is None:
             logger.warning(f"--layer-skip-policy auto: no policy in {policy_dir()} matches the served model's "
                            "fingerprints; serving with layer skipping off")
-            return replace(config, policy_path=None, mode="off")
+            return replace(config, policy_path=None, mode=LayerSkipMode.OFF)
         logger.info(f"--layer-skip-policy auto: {path} matches the served model")
         return replace(config, policy_path=str(path))
 
     def roll_back(self) -> None:
         """Stop skipping for every new request (the audit checks found the policy inconsistent)."""
-        self.policy_state = "rolled_back"
-        self.mode = "off"
+        self.policy_state = PolicyState.ROLLED_BACK
+        self.mode = LayerSkipMode.OFF
 
     @property
     def num_layers(self) -> int:
@@ -109,7 +119,7 @@ class SkipPlanner:
     def plan(self, state: RequestState) -> SkipPlan:
         """The request's plan; also records how long the decision took."""
         mode = state.layer_skip_mode or self.mode
-        if mode == "off" or self.policy_state in ("refused", "rolled_back"):
+        if mode == LayerSkipMode.OFF or self.policy_state in (PolicyState.REFUSED, PolicyState.ROLLED_BACK):
             return SkipPlan.off()
         start = time.perf_counter()
         plan = self.scheduler.plan(state.all_ids[: state.input_length], mode)
