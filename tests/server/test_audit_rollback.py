@@ -15,8 +15,8 @@ from test_layer_skip_shard import LONG_PROMPT
 
 from text_generation_server.download import DEFAULT_MODEL_ID
 from text_generation_server.layerskip import Calibration, Condition, IdentityMap, Policy, Rule, RuleTable, save_policy
+from text_generation_server.models.audit_check import AuditConfig, AuditMonitor
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
-from text_generation_server.models.shadow_check import ShadowConfig, ShadowMonitor
 from text_generation_server.pb import generate_pb2
 
 from factories import make_batch, make_request
@@ -41,13 +41,13 @@ def drifting_policy(model_path: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 def test_monitor_window_and_rate() -> None:
-    monitor = ShadowMonitor(ShadowConfig(rate=0.5, window=3), target=0.7)
-    assert [monitor.should_shadow() for _ in range(4)] == [False, True, False, True]
+    monitor = AuditMonitor(AuditConfig(rate=0.5, window=3), target=0.7)
+    assert [monitor.should_audit() for _ in range(4)] == [False, True, False, True]
     assert not monitor.record(True) and not monitor.record(False)  # window not full yet
     assert monitor.record(False)  # 1/3 < 0.7
     assert monitor.rollbacks == 1
     with pytest.raises(ValueError, match="--layer-skip-shadow-rate 1.5 must be within"):
-        ShadowConfig(rate=1.5)
+        AuditConfig(rate=1.5)
 
 
 def test_forced_drift_rolls_back_to_off(drifting_policy: Path) -> None:
@@ -63,7 +63,7 @@ def test_forced_drift_rolls_back_to_off(drifting_policy: Path) -> None:
             cached = response.batch if response.HasField("batch") else None
             final = response.generations[0]
             while cached is not None:
-                assert list(cached.request_ids) == [i]  # the shadow twin never shows
+                assert list(cached.request_ids) == [i]  # the audit twin never shows
                 step = stub.Decode(generate_pb2.DecodeRequest(batches=[cached]))
                 assert [g.request_id for g in step.generations] == [i]
                 final = step.generations[0]
