@@ -74,11 +74,12 @@ class GrammarCompiler:
         if cached is not None:
             self._compiled.move_to_end(spec.key)
             return cached
+        schema = _schema_text(spec.value) if spec.kind is GrammarKind.JSON else ""
         try:
             if spec.kind is GrammarKind.JSON:
                 # One-line JSON with single spaces after separators, as upstream's outlines regex
                 # allows: free whitespace would let a model pad forever inside the grammar.
-                compiled = self._compiler.compile_json_schema(_schema_text(spec.value), any_whitespace=False)
+                compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)
             else:
                 compiled = self._compiler.compile_regex(spec.value)
         except (RuntimeError, ValueError, TypeError) as err:  # xgrammar's errors for an invalid grammar
