@@ -6,6 +6,19 @@ from dataclasses import dataclass, field
 
 from text_generation_server.pb import generate_pb2, generate_pb2_grpc
 
+# The guided-generation tests' grammars: a JSON schema and a regex.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+
 CHAT_FRANCE = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

@@ -16,33 +16,22 @@ from outlines_core.json_schema import build_regex_from_schema
 from text_generation_server.pb import generate_pb2, generate_pb2_grpc
 from text_generation_server.watermark import detect
 
-from factories import make_request, run_to_completion
+from factories import PERSON, PHONE, make_request, run_to_completion
 
 Stub = generate_pb2_grpc.TextGenerationServiceStub
 VOCAB = 49152
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
-    },
-    "required": ["name", "age", "city"],
-    "additionalProperties": False,
-}
 JSON = generate_pb2.GRAMMAR_TYPE_JSON
 REGEX = generate_pb2.GRAMMAR_TYPE_REGEX
 
 
 def test_json_schema_and_regex_outputs_have_their_shape(shard: Stub) -> None:
     """Greedy and sampled, JSON and regex, next to an unconstrained request in one batch."""
-    phone = r"\(\d{3}\) \d{3}-\d{4}"
     schema = json.dumps(PERSON)
     requests = [
         make_request(1, "Describe a person as JSON:", 60, grammar=schema, grammar_type=JSON),
         make_request(2, "Who lives in Tokyo?", 60, grammar=schema, grammar_type=JSON, do_sample=True, seed=7,
                      temperature=0.8),
-        make_request(3, "Call me at", 24, grammar=phone, grammar_type=REGEX),
+        make_request(3, "Call me at", 24, grammar=PHONE, grammar_type=REGEX),
         make_request(4, "Hello", 6),
     ]
     out = run_to_completion(shard, 1100, requests)
@@ -51,7 +40,7 @@ def test_json_schema_and_regex_outputs_have_their_shape(shard: Stub) -> None:
         assert final is not None and final.finish_reason == generate_pb2.FINISH_REASON_EOS_TOKEN, final
         jsonschema.validate(json.loads(final.text), PERSON)
     final = out[3].final
-    assert final is not None and re.fullmatch(phone, final.text), final
+    assert final is not None and re.fullmatch(PHONE, final.text), final
     assert out[4].final is not None and len(out[4].token_ids) == 6
 
 

@@ -20,21 +20,10 @@ from text_generation_server.models.speculative import CostModel
 from text_generation_server.pb import generate_pb2
 from text_generation_server.sampling import ChoiceContext
 
-from factories import make_batch, make_request
+from factories import PERSON, PHONE, make_batch, make_request
 from policies import SIX_LAYERS, write_policy
 from prompt_sets import chat_text
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
-    },
-    "required": ["name", "age", "city"],
-    "additionalProperties": False,
-}
-PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 JSON, REGEX = generate_pb2.GRAMMAR_TYPE_JSON, generate_pb2.GRAMMAR_TYPE_REGEX
 # (prompt, request parameters): JSON schemas, a regex, a watermark, a watermarked JSON schema.
 CASES = [
