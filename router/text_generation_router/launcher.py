@@ -1,6 +1,6 @@
 """`text-generation-launcher`: download weights, start the shard, then the router; watch both.
 
-Follows upstream's order (spec §0, §3.2): download-weights must exit 0; the shard is ready
+Follows upstream's order (docs/tgi-interface.md §0, §3.2): download-weights must exit 0; the shard is ready
 when its socket file exists; a child that exits makes the launcher stop the other one and
 exit non-zero naming it; SIGINT/SIGTERM stop both process groups gracefully.
 """
@@ -112,7 +112,7 @@ class ShardLog:
 
 
 def child_env(args: LauncherArgs) -> dict[str, str]:
-    """Launcher env minus LOG_LEVEL, plus what upstream gives every shard (spec §3.2)."""
+    """Launcher env minus LOG_LEVEL, plus what upstream gives every shard (docs/tgi-interface.md §3.2)."""
     env = {k: v for k, v in os.environ.items() if k != "LOG_LEVEL"}
     a = args.ns
     env.setdefault("ATTENTION", "paged")
@@ -170,7 +170,7 @@ class ChildFailed(RuntimeError):
 
 
 def shard_argv(args: LauncherArgs) -> list[str]:
-    """Upstream's exact order (spec §3.2 step 2), then this fork's extensions."""
+    """Upstream's exact order (docs/tgi-interface.md §3.2 step 2), then this fork's extensions."""
     a = args.ns
     argv = [executable("text-generation-server"), "serve", a.model_id, "--uds-path",
             a.shard_uds_path, "--logger-level", "INFO", "--json-output"]

@@ -1,5 +1,5 @@
 """Flags of `text-generation-launcher`: upstream names and defaults, SCREAMING_SNAKE env
-equivalents (spec §3.1), and the upstream flags this backend refuses by name."""
+equivalents (docs/tgi-interface.md §3.1), and the upstream flags this backend refuses by name."""
 
 from __future__ import annotations
 
