@@ -113,7 +113,7 @@ class ShardLog:
 
 def child_env(args: LauncherArgs) -> dict[str, str]:
     """Launcher env minus LOG_LEVEL, plus what upstream gives every shard (docs/tgi-interface.md §3.2)."""
-    env = {k: v for k, v in os.environ.items() if k != "LOG_LEVEL"}
+    env = {k: v for k, v in args.env.environ.items() if k != "LOG_LEVEL"}
     a = args.ns
     env.setdefault("ATTENTION", "paged")
     env.setdefault("PREFIX_CACHING", "0")
@@ -122,8 +122,8 @@ def child_env(args: LauncherArgs) -> dict[str, str]:
         "MASTER_PORT": str(a.master_port), "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "TORCH_NCCL_AVOID_RECORD_STREAMS": "1", "SAFETENSORS_FAST_GPU": "1",
     })
-    if "HF_API_TOKEN" in os.environ:
-        env["HF_TOKEN"] = os.environ["HF_API_TOKEN"]
+    if "HF_API_TOKEN" in args.env.environ:
+        env["HF_TOKEN"] = args.env.environ["HF_API_TOKEN"]
     if a.huggingface_hub_cache:
         env["HUGGINGFACE_HUB_CACHE"] = a.huggingface_hub_cache
     if a.max_total_tokens is not None:
