@@ -1,4 +1,4 @@
-"""Continuous batching: the loop that drives Prefill/Decode/FilterBatch (spec §1.5).
+"""Continuous batching: the loop that drives Prefill/Decode/FilterBatch (docs/tgi-interface.md §1.5).
 
 Design note: one batch is cached in the shard at a time. While it runs, the loop may
 prefill a new batch from the queue (when the queue holds at least
@@ -214,7 +214,7 @@ class Batcher:
     async def _follow_up(
         self, method: str, batch: CachedBatch | None, entries: dict[int, Entry]
     ) -> CachedBatch | None:
-        """Router-side follow-up of spec §1.5: ClearCache or FilterBatch as requests end."""
+        """Router-side follow-up of docs/tgi-interface.md §1.5: ClearCache or FilterBatch as requests end."""
         if batch is None:
             return None
         if not entries:

@@ -1,4 +1,4 @@
-"""Chat routes: /v1/chat/completions (spec §2.5) and /chat_tokenize.
+"""Chat routes: /v1/chat/completions (docs/tgi-interface.md §2.5) and /chat_tokenize.
 
 A chat request becomes one generate request: the chat template renders the messages (a
 trailing assistant message is continued), `response_format` or the tools become its grammar

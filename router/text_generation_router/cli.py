@@ -1,4 +1,4 @@
-"""`text-generation-router`: handshake with the shard, then serve HTTP (spec §3.2 step 3)."""
+"""`text-generation-router`: handshake with the shard, then serve HTTP (docs/tgi-interface.md §3.2 step 3)."""
 
 from __future__ import annotations
 

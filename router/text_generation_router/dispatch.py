@@ -102,7 +102,7 @@ def build_warmup_batch(
     max_total_tokens: int | None,
     max_batch_size: int | None,
 ) -> pb.Batch:
-    """Dry-run batch of spec §1.4 step 5: `_test ` prompts summing to max_prefill_tokens.
+    """Dry-run batch of docs/tgi-interface.md §1.4 step 5: `_test ` prompts summing to max_prefill_tokens.
 
     The image chunk upstream adds for vision models is left out: this router serves text.
     """

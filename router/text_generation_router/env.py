@@ -1,11 +1,13 @@
-"""Environment variables the router process reads: read once at startup, here alone.
+"""Environment variables the router and the launcher read: read once at startup, here alone.
 
-The launcher's own variables are the SCREAMING_SNAKE equivalents of its flags
-(launcher_args.py); this is what the router (`text-generation-router`) reads besides its flags.
+RouterEnv is what the router (`text-generation-router`) reads besides its flags. LauncherEnv
+is the launcher's environment: its flags' defaults come from their SCREAMING_SNAKE
+equivalents (launcher_args.py), and its children inherit it (launcher.child_env).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,3 +27,41 @@ class RouterEnv:
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ) -> RouterEnv:
         return cls(compute_type=environ.get("COMPUTE_TYPE", DEFAULT_COMPUTE_TYPE))
+
+
+@dataclass(frozen=True)
+class LauncherEnv:
+    """A copy of the launcher's environment taken once, with the typed reads its flags need.
+
+    An empty number counts as unset; a bad one raises int()'s or float()'s ValueError, which
+    the launcher prints before it exits 2.
+    """
+
+    environ: Mapping[str, str]
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] = os.environ) -> LauncherEnv:
+        return cls(dict(environ))
+
+    def text(self, name: str, default: str | None) -> str | None:
+        return self.environ.get(name, default)
+
+    def integer(self, name: str, default: int | None) -> int | None:
+        value = self.environ.get(name)
+        return int(value) if value not in (None, "") else default
+
+    def number(self, name: str) -> float | None:
+        value = self.environ.get(name)
+        return float(value) if value not in (None, "") else None
+
+    def flag(self, name: str) -> bool:
+        return self.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+
+    def hostname(self) -> str:
+        """HOSTNAME is usually the machine's name, not an address: upstream falls back then."""
+        value = self.environ.get("HOSTNAME", "")
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            return "0.0.0.0"
+        return value

@@ -1,4 +1,4 @@
-"""Errors that reach HTTP clients: status code, upstream error_type and message (spec §2.8)."""
+"""Errors that reach HTTP clients: status code, upstream error_type and message (docs/tgi-interface.md §2.8)."""
 
 from __future__ import annotations
 

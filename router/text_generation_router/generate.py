@@ -1,4 +1,4 @@
-"""The native generation routes: POST /generate, /generate_stream and / (spec §2.1-2.4)."""
+"""The native generation routes: POST /generate, /generate_stream and / (docs/tgi-interface.md §2.1-2.4)."""
 
 from __future__ import annotations
 

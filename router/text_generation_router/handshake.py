@@ -1,4 +1,4 @@
-"""Startup handshake with the shards (spec §1.4): discovery, clear, info, warmup, limits."""
+"""Startup handshake with the shards (docs/tgi-interface.md §1.4): discovery, clear, info, warmup, limits."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What the OpenAI-compatible routes share: parameter mapping and response envelopes (spec §2.5-2.6)."""
+"""What the OpenAI-compatible routes share: parameter mapping and response envelopes
+(docs/tgi-interface.md §2.5-2.6)."""
 
 from __future__ import annotations
 

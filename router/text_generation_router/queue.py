@@ -1,4 +1,4 @@
-"""Waiting requests and the choice of the next batch under the token budgets (spec §1.5).
+"""Waiting requests and the choice of the next batch under the token budgets (docs/tgi-interface.md §1.5).
 
 Budget design note: with `requires_padding` the shard pads every prompt of a batch to the
 longest one, so a batch of n requests costs `n * max_input_len` prefill tokens and

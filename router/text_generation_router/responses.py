@@ -1,4 +1,4 @@
-"""JSON bodies and headers of the native routes (spec §2.3, §2.4, §2.9)."""
+"""JSON bodies and headers of the native routes (docs/tgi-interface.md §2.3, §2.4, §2.9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, auth, CORS, error bodies (spec §2)."""
+"""The FastAPI application: routes, auth, CORS, error bodies (docs/tgi-interface.md §2)."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def _register_native_routes(app: FastAPI, state: AppState) -> None:
         CompatGenerateRequest, json_or_sse_ok("[GenerateResponse], or StreamResponse events")))
     async def compat_generate(request: Request) -> Response:
         req = await read_json(request, CompatGenerateRequest, limit)
-        # return_full_text defaults to true for an unknown pipeline tag (spec §8.1).
+        # return_full_text defaults to true for an unknown pipeline tag (docs/tgi-interface.md §8 gotcha 1).
         if req.stream:
             return stream_response(state, request, req, default_full_text=True)
         return await generate_response(state, request, req, default_full_text=True, as_list=True)

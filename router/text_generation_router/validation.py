@@ -1,4 +1,4 @@
-"""Request validation in upstream's order with its literal messages (spec §2.2).
+"""Request validation in upstream's order with its literal messages (docs/tgi-interface.md §2.2).
 
 A failed check raises ValidationError(message); the HTTP layer prefixes
 `Input validation error: ` and answers 422.

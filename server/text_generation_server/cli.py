@@ -138,11 +138,13 @@ def serve(
         None, help="roll back below this ratio (default: the policy's calibrated consistency)"),
 ) -> None:
     """Serve MODEL_ID over gRPC on the unix socket {uds_path}-{rank}."""
+    from .env import ShardEnv
     from .models.audit_check import AuditConfig
     from .models.skip_planner import LayerSkipConfig
 
     setup_logging(logger_level, json_output)
     try:
+        env = ShardEnv.read()  # before the model loads: a bad value is refused at once
         model, config = _build(model_id, revision, sharded, quantize, speculate, dtype, kv_cache_dtype,
                                trust_remote_code, uds_path, max_input_tokens, runner,
                                LayerSkipConfig(layer_skip_mode, layer_skip_policy, layer_skip_on_bad_policy,
@@ -155,7 +157,7 @@ def serve(
         logger.warning(f"--otlp-endpoint {otlp_endpoint}: tracing export is not implemented; no spans are sent")
     from .server import serve_model
 
-    asyncio.run(serve_model(model, config))
+    asyncio.run(serve_model(model, config, env))
 
 
 def _build(model_id: str, revision: str | None, sharded: bool, quantize: Quantization | None,

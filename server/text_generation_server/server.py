@@ -250,9 +250,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         return out
 
 
-async def serve_model(model: CausalLM, config: ServeConfig) -> None:
+async def serve_model(model: CausalLM, config: ServeConfig, env: ShardEnv) -> None:
     """Bind `{uds_path}-{rank}` once the model is loaded and serve until SIGINT/SIGTERM."""
-    env = ShardEnv.read()
     shutdown = asyncio.Event()
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2**31 - 1),
                                       ("grpc.max_send_message_length", 2**31 - 1)])

@@ -14,12 +14,12 @@ from fastapi import Request
 from text_generation_router import sse
 from text_generation_router.config import RouterConfig, ServingLimits
 from text_generation_router.dispatch import build_warmup_batch
-from text_generation_router.env import RouterEnv
+from text_generation_router.env import LauncherEnv, RouterEnv
 from text_generation_router.errors import Overloaded, ValidationFailed
 from text_generation_router.events import GeneratedText, LayerSkipReport, Token
 from text_generation_router.generate import error_event
 from text_generation_router.infer import FinishedGeneration, Infer, Timing
-from text_generation_router.launcher import router_argv, shard_argv
+from text_generation_router.launcher import child_env, router_argv, shard_argv
 from text_generation_router.launcher_args import parse_args
 from text_generation_router.lifecycle import Lifecycle
 from text_generation_router.metrics import build_metrics, render
@@ -93,16 +93,27 @@ def test_launcher_argv_follow_upstream_order() -> None:
     assert r[r.index("--waiting-served-ratio") + 1] == "0.3"
 
 
-def test_launcher_refuses_unsupported_flags_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launcher_refuses_unsupported_flags_by_name() -> None:
     with pytest.raises(ValueError, match=r"^--speculate 0: use a positive number"):
         parse_args(["--speculate", "0"])
     with pytest.raises(ValueError, match="exactly one shard"):
         parse_args(["--num-shard", "2"])
-    monkeypatch.setenv("MAX_BEST_OF", "3")
-    monkeypatch.setenv("HOSTNAME", "some-container-id")
-    args = parse_args([])
+    args = parse_args([], LauncherEnv.read({"MAX_BEST_OF": "3", "HOSTNAME": "some-container-id"}))
     assert args.ns.max_best_of == 3 and args.ns.hostname == "0.0.0.0"
     assert args.ns.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct" and args.ns.port == 3000
+
+
+def test_launcher_defaults_come_from_the_environment_it_was_given() -> None:
+    env = LauncherEnv.read({"HOSTNAME": "10.0.0.7", "PORT": "", "WATERMARK_GAMMA": "0.25", "JSON_OUTPUT": "yes",
+                            "CORS_ALLOW_ORIGIN": "a,b", "HF_API_TOKEN": "t", "LOG_LEVEL": "debug"})
+    args = parse_args([], env)
+    assert (args.ns.hostname, args.ns.port, args.ns.watermark_gamma) == ("10.0.0.7", 3000, 0.25)
+    assert args.ns.json_output and args.ns.cors_allow_origin == ["a", "b"]
+    child = child_env(args)
+    assert child["HF_TOKEN"] == "t" and child["WATERMARK_GAMMA"] == "0.25"
+    assert "LOG_LEVEL" not in child and "PATH" not in child  # the given environment, not os.environ
+    with pytest.raises(ValueError, match="'many'"):
+        parse_args([], LauncherEnv.read({"MAX_BEST_OF": "many"}))
 
 
 def test_keep_alive_comments_and_cleanup_on_disconnect() -> None:

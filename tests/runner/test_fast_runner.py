@@ -134,13 +134,11 @@ def test_multi_token_forwards_match_transformers(model: PreTrainedModel, prompts
         drafts = ref_logits.argmax(-1)  # the model's own next tokens: accepted drafts
 
 
-def test_forced_avx2_variant_matches_transformers(model: PreTrainedModel, prompts: list[list[int]],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_forced_avx2_variant_matches_transformers(model: PreTrainedModel, prompts: list[list[int]]) -> None:
     """TGI_CPU_KERNELS=avx2 runs the AVX2 variant on any CPU that has it (AVX-512 ones too)."""
     if cpu_kernels.BY_NAME["avx2"] not in cpu_kernels.runnable_variants():
         pytest.skip(f"this CPU cannot run the avx2 variant ({cpu_kernels.unavailable_reason()})")
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "avx2")
-    fast = FastLlamaRunner(model)
+    fast = FastLlamaRunner(model, FastRunnerConfig(kernel_switch="avx2"))
     assert fast.cpu_kernels == "avx2"
     fast_stream, _ = Stream.prefill(fast, prompts)
     ref_stream, ref_logits = Stream.prefill(TransformersRunner(model), prompts)
