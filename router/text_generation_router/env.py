@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 DEFAULT_COMPUTE_TYPE = "gpu+optimized"
 
@@ -33,8 +36,8 @@ class RouterEnv:
 class LauncherEnv:
     """A copy of the launcher's environment taken once, with the typed reads its flags need.
 
-    An empty number counts as unset; a bad one raises int()'s or float()'s ValueError, which
-    the launcher prints before it exits 2.
+    An empty number counts as unset; a bad one raises a ValueError naming the variable and its
+    value, which the launcher prints before it exits 2.
     """
 
     environ: Mapping[str, str]
@@ -47,12 +50,19 @@ class LauncherEnv:
         return self.environ.get(name, default)
 
     def integer(self, name: str, default: int | None) -> int | None:
-        value = self.environ.get(name)
-        return int(value) if value not in (None, "") else default
+        return self._parsed(name, int, "an integer", default)
 
     def number(self, name: str) -> float | None:
+        return self._parsed(name, float, "a number", None)
+
+    def _parsed(self, name: str, parse: Callable[[str], T], kind: str, default: T | None) -> T | None:
         value = self.environ.get(name)
-        return float(value) if value not in (None, "") else None
+        if value in (None, ""):
+            return default
+        try:
+            return parse(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not {kind}") from None
 
     def flag(self, name: str) -> bool:
         return self.environ.get(name, "").lower() in ("1", "true", "yes", "on")
