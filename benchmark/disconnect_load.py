@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "router"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration-tests" / "router"))
 from isolation_harness import children, metric  # noqa: E402
 from router_launcher import start_launcher  # noqa: E402
 
