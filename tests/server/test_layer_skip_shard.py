@@ -28,7 +28,7 @@ from text_generation_server.models.runner import build_runner
 from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner
 from text_generation_server.pb import generate_pb2
 
-from factories import make_batch, make_request
+from factories import decode_in_process, make_batch, make_request
 from policies import LONG_PROMPT, SHORT_PROMPT, SHORT_PROMPT_TOKENS, SIX_LAYERS, TWO_LAYERS, write_policy
 
 
@@ -66,22 +66,9 @@ class LayerCounter:
 def run(lm: CausalLM, requests: list[generate_pb2.Request]) -> tuple[dict[int, list[int]], dict[int, list[float]],
                                                                      CausalLMBatch, dict[int, object]]:
     """Prefill and decode to completion in-process; returns token ids, logprobs, the last batch, reports."""
-    batch = CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers,
-                                  lm.eos_token_ids, 1000)
-    tokens: dict[int, list[int]] = {r.id: [] for r in requests}
-    logprobs: dict[int, list[float]] = {r.id: [] for r in requests}
-    reports: dict[int, object] = {}
-    current: CausalLMBatch | None = batch
-    last = batch
-    while current is not None:
-        last = current
-        generations, current, _ = lm.generate_token(current)
-        for g in generations:
-            tokens[g.request_id].extend(g.tokens.ids)
-            logprobs[g.request_id].extend(g.tokens.logprobs)
-            if g.layer_skip is not None:
-                reports[g.request_id] = g.layer_skip
-    return tokens, logprobs, last, reports
+    out = decode_in_process(lm, CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers,
+                                                      lm.eos_token_ids, 1000))
+    return out.tokens, out.logprobs, out.last, dict(out.reports)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlan
 from text_generation_server.pb import generate_pb2
 from text_generation_server.stopping import FinishReason, StoppingCriteria
 
-from factories import make_batch, make_request
+from factories import decode_in_process, make_batch, make_request
 
 PROMPT = "1, 2, 3, 4, 5,"
 
@@ -38,22 +38,13 @@ def test_a_request_failing_mid_decode_ends_alone(model_path: Path) -> None:
 
     def decode(requests: list[generate_pb2.Request],
                break_id: int | None) -> tuple[dict[int, list[int]], dict[int, str]]:
-        batch: CausalLMBatch | None = CausalLMBatch.from_pb(
-            make_batch(1, requests), tokenizer, lm.runner.num_layers, lm.eos_token_ids, 1000)
-        assert batch is not None
+        batch = CausalLMBatch.from_pb(make_batch(1, requests), tokenizer, lm.runner.num_layers, lm.eos_token_ids, 1000)
         for state in batch.requests:
             if state.id == break_id:
                 s = state.stopping
                 state.stopping = _FailingStop(s.max_new_tokens, s.eos_token_ids, s.stop_sequences)
-        tokens: dict[int, list[int]] = {r.id: [] for r in requests}
-        errors: dict[int, str] = {}
-        while batch is not None:
-            generations, batch, _ = lm.generate_token(batch)
-            for g in generations:
-                tokens[g.request_id].extend(g.tokens.ids)
-                if g.error is not None:
-                    errors[g.request_id] = g.error
-        return tokens, errors
+        out = decode_in_process(lm, batch)
+        return out.tokens, out.errors
 
     solo, _ = decode([make_request(1, PROMPT, 8)], None)
     tokens, errors = decode([make_request(1, PROMPT, 8), make_request(2, "Hello", 8)], break_id=2)
