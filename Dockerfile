@@ -22,7 +22,7 @@ COPY scripts/install.sh ./scripts/install.sh
 # The shipped layer-skip policies (`--layer-skip-policy auto` reads TGI_POLICY_DIR).
 COPY policies /opt/tgi-policies
 
-# One install procedure for the image and the test suite (tests/deploy/test_install_script.py).
+# One install procedure for the image and the test suite (integration-tests/deploy/test_install_script.py).
 # The default model is converted into /opt/tgi-models, outside /data, so a volume mounted at
 # /data cannot hide it; download-weights looks there second (TGI_PREBUILT_HUB_CACHE).
 # g++ is there only to compile the fast runner's CPU kernels (every ISA variant: the image runs

@@ -43,17 +43,19 @@ check-proto: install
 	$(PY) proto/generate_stubs.py --check
 
 lint: install
-	$(VENV)/bin/ruff check server router tests benchmark proto patches
+	$(VENV)/bin/ruff check server router tests integration-tests benchmark proto patches
 
 typecheck: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy patches/tgi_layerskip_patch
 
+# The unit tests alone (in-process, tests/); `make test` also runs integration-tests/ (launcher,
+# shard processes and real clients over real sockets).
 unit: install
 	$(VENV)/bin/pytest -q tests
 
 test: install check-proto lint typecheck
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests integration-tests
 
 run: install
 	$(VENV)/bin/text-generation-launcher --model-id $(MODEL_ID) --port $(PORT)
@@ -74,7 +76,7 @@ test-upstream: install
 	else \
 		rm -rf $(UPSTREAM_VENV) && patches/setup_upstream_venv.sh "$(UPSTREAM_TGI)" $(UPSTREAM_VENV) && \
 		UPSTREAM_TGI="$(abspath $(UPSTREAM_TGI))" UPSTREAM_VENV="$(abspath $(UPSTREAM_VENV))" \
-			$(VENV)/bin/pytest -p no:cacheprovider -ra tests/upstream; \
+			$(VENV)/bin/pytest -p no:cacheprovider -ra integration-tests/upstream; \
 	fi
 
 # Layer-skip calibration on the default model: profile -> sweep -> calibrate -> consistency.

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "router"))
+INTEGRATION_TESTS = Path(__file__).resolve().parent.parent / "integration-tests"
+sys.path[:0] = [str(INTEGRATION_TESTS / "router"), str(INTEGRATION_TESTS)]
 from isolation_harness import children, metric  # noqa: E402
 from router_launcher import start_launcher  # noqa: E402
 

@@ -56,27 +56,50 @@ REGEX_TEXT = "+1 (555) 123-4567 ext. 89"
 Walker = Callable[[list[int]], list[float]]
 
 
+def timed_walk(ids: list[int], mask: Callable[[], object], accept: Callable[[int], object]) -> list[float]:
+    """Before each token of `ids`, `mask()` computes the allowed next tokens and applies them to a
+    logits row (timed); then `accept` feeds the engine the token (untimed). Seconds of each mask."""
+    times = []
+    for token in ids:
+        start = time.perf_counter()
+        mask()
+        times.append(time.perf_counter() - start)
+        accept(token)
+    return times
+
+
+def bitmask_walker(vocab: int, bitmask: torch.Tensor, new_matcher: Callable[[], Any],
+                   fill: Callable[[Any, torch.Tensor], object], apply: Callable[[torch.Tensor, torch.Tensor], object],
+                   accept: Callable[[Any, int], None]) -> Walker:
+    """A walker for the engines that fill a token bitmask and apply it in place to a `[1, vocab]`
+    logits row (xgrammar, llguidance): a fresh matcher per walk; `accept` checks each token."""
+    logits = torch.zeros((1, vocab))
+
+    def walk(ids: list[int]) -> list[float]:
+        matcher = new_matcher()
+
+        def mask() -> None:
+            fill(matcher, bitmask)
+            apply(logits, bitmask)
+
+        return timed_walk(ids, mask, lambda token: accept(matcher, token))
+
+    return walk
+
+
 def xgrammar_engine(tokenizer: PreTrainedTokenizerBase, vocab: int) -> Callable[[str, str], Walker]:
     import xgrammar as xgr
 
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab), max_threads=1)
 
+    def accept(matcher: xgr.GrammarMatcher, token: int) -> None:
+        assert matcher.accept_token(token), f"xgrammar refused token {token}"
+
     def compile_grammar(kind: str, grammar: str) -> Walker:
         compiled = compiler.compile_json_schema(grammar) if kind == "json" else compiler.compile_regex(grammar)
-        bitmask = xgr.allocate_token_bitmask(1, vocab)
-        logits = torch.zeros((1, vocab))
-
-        def walk(ids: list[int]) -> list[float]:
-            matcher, times = xgr.GrammarMatcher(compiled), []
-            for token in ids:
-                start = time.perf_counter()
-                matcher.fill_next_token_bitmask(bitmask)
-                xgr.apply_token_bitmask_inplace(logits, bitmask)
-                times.append(time.perf_counter() - start)
-                assert matcher.accept_token(token), f"xgrammar refused token {token}"
-            return times
-
-        return walk
+        return bitmask_walker(vocab, xgr.allocate_token_bitmask(1, vocab), lambda: xgr.GrammarMatcher(compiled),
+                              lambda matcher, bitmask: matcher.fill_next_token_bitmask(bitmask),
+                              xgr.apply_token_bitmask_inplace, accept)
 
     return compile_grammar
 
@@ -91,14 +114,13 @@ def shard_engine(tokenizer: PreTrainedTokenizerBase, vocab: int) -> Callable[[st
         logits = torch.zeros(vocab)
 
         def walk(ids: list[int]) -> list[float]:
-            matcher, times = compiler.matcher(spec), []
-            for token in ids:
-                start = time.perf_counter()
-                matcher.mask_(logits)
-                times.append(time.perf_counter() - start)
+            matcher = compiler.matcher(spec)
+
+            def accept(token: int) -> None:
                 matcher.accept(token)
                 logits.zero_()
-            return times
+
+            return timed_walk(ids, lambda: matcher.mask_(logits), accept)
 
         return walk
 
@@ -112,23 +134,16 @@ def llguidance_engine(tokenizer: PreTrainedTokenizerBase, vocab: int) -> Callabl
 
     lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
 
+    def accept(matcher: llguidance.LLMatcher, token: int) -> None:
+        assert matcher.consume_token(token), f"llguidance refused token {token}: {matcher.get_error()}"
+
     def compile_grammar(kind: str, grammar: str) -> Walker:
         text = (llguidance.LLMatcher.grammar_from_json_schema(grammar) if kind == "json"
                 else llguidance.LLMatcher.grammar_from_regex(grammar))
-        bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)
-        logits = torch.zeros((1, vocab))
-
-        def walk(ids: list[int]) -> list[float]:
-            matcher, times = llguidance.LLMatcher(lltok, text), []
-            for token in ids:
-                start = time.perf_counter()
-                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-                llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
-                times.append(time.perf_counter() - start)
-                assert matcher.consume_token(token), f"llguidance refused token {token}: {matcher.get_error()}"
-            return times
-
-        return walk
+        return bitmask_walker(vocab, llguidance.torch.allocate_token_bitmask(1, vocab),
+                              lambda: llguidance.LLMatcher(lltok, text),
+                              lambda matcher, bitmask: llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0),
+                              llguidance.torch.apply_token_bitmask_inplace, accept)
 
     return compile_grammar
 
@@ -151,14 +166,13 @@ def outlines_engine(tokenizer: PreTrainedTokenizerBase, vocab: int) -> Callable[
         logits = torch.zeros(vocab)
 
         def walk(ids: list[int]) -> list[float]:
-            guide, times = outlines_core.Guide(index), []
-            for token in ids:
-                start = time.perf_counter()
+            guide = outlines_core.Guide(index)
+
+            def mask() -> None:
                 allowed = torch.tensor(guide.get_tokens(), dtype=torch.long)
                 logits.fill_(-torch.inf).index_fill_(0, allowed, 0.0)
-                times.append(time.perf_counter() - start)
-                guide.advance(token)
-            return times
+
+            return timed_walk(ids, mask, guide.advance)
 
         return walk
 

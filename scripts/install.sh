@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the fork into one virtual environment: the only install procedure of the image.
-# The Dockerfile runs it, and tests/deploy/test_install_script.py runs it into a fresh venv
+# The Dockerfile runs it, and integration-tests/deploy/test_install_script.py runs it into a fresh venv
 # (no Docker engine is needed to exercise these steps).
 #
 #   scripts/install.sh [--convert-default-model] <venv>

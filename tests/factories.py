@@ -1,10 +1,16 @@
-"""Factories for generate.v3 requests and a small driver that runs requests to completion."""
+"""Factories for generate.v3 requests, and small drivers that run requests to completion: over
+gRPC against a shard (`run_to_completion`) and in-process on a `CausalLM` (`decode_in_process`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from text_generation_server.pb import generate_pb2, generate_pb2_grpc
+
+if TYPE_CHECKING:
+    from text_generation_server.models.batch import CausalLMBatch
+    from text_generation_server.models.causal_lm import CausalLM, FinishedText, LayerSkipReport
 
 # The guided-generation tests' grammars: a JSON schema and a regex.
 PERSON = {
@@ -86,3 +92,35 @@ def run_to_completion(stub: generate_pb2_grpc.TextGenerationServiceStub, batch_i
         collect(outcomes, list(decoded.generations))
         cached = decoded.batch if decoded.HasField("batch") else None
     return outcomes
+
+
+@dataclass
+class Decoded:
+    """What each request of an in-process decode produced, by request id."""
+
+    tokens: dict[int, list[int]]
+    logprobs: dict[int, list[float]]
+    last: CausalLMBatch  # the last batch that ran
+    finals: dict[int, FinishedText] = field(default_factory=dict)
+    reports: dict[int, LayerSkipReport] = field(default_factory=dict)  # each request's last report
+    errors: dict[int, str] = field(default_factory=dict)  # the requests that failed alone
+
+
+def decode_in_process(lm: CausalLM, batch: CausalLMBatch) -> Decoded:
+    """`lm.generate_token` from prefill until every request of `batch` has finished."""
+    ids = [state.id for state in batch.requests]
+    out = Decoded({i: [] for i in ids}, {i: [] for i in ids}, batch)
+    current: CausalLMBatch | None = batch
+    while current is not None:
+        out.last = current
+        generations, current, _ = lm.generate_token(current)
+        for g in generations:
+            out.tokens[g.request_id].extend(g.tokens.ids)
+            out.logprobs[g.request_id].extend(g.tokens.logprobs)
+            if g.generated_text is not None:
+                out.finals[g.request_id] = g.generated_text
+            if g.layer_skip is not None:
+                out.reports[g.request_id] = g.layer_skip
+            if g.error is not None:
+                out.errors[g.request_id] = g.error
+    return out

@@ -21,6 +21,9 @@ from text_generation_server.layerskip import (
 SIX_LAYERS = frozenset({4, 7, 14, 18, 21, 24})
 TWO_LAYERS = frozenset({14, 18})
 SHORT_PROMPT_TOKENS = 8.0
+# A prompt that fires write_policy's default rule, and one under SHORT_PROMPT_TOKENS tokens.
+LONG_PROMPT = "Explain in a few sentences why the sky is blue during the day and red at sunset."
+SHORT_PROMPT = "Hello there"
 
 
 def write_policy(model: nn.Module, path: Path, default_skip: frozenset[int] = SIX_LAYERS,

@@ -1,4 +1,4 @@
-"""Continuous batching: the loop that drives Prefill/Decode/FilterBatch (spec §1.5).
+"""Continuous batching: the loop that drives Prefill/Decode/FilterBatch (docs/tgi-interface.md §1.5).
 
 Design note: one batch is cached in the shard at a time. While it runs, the loop may
 prefill a new batch from the queue (when the queue holds at least
@@ -27,6 +27,7 @@ from loguru import logger
 from text_generation_router.client import ShardClient, ShardError, StepResult
 from text_generation_router.config import ServingLimits
 from text_generation_router.dispatch import (
+    CachedBatch,
     dispatch_generations,
     dispatch_request_errors,
     encode_requests,
@@ -34,7 +35,6 @@ from text_generation_router.dispatch import (
 )
 from text_generation_router.handshake import ShardInfo
 from text_generation_router.metrics import Metrics
-from text_generation_router.pb import generate_pb2 as pb
 from text_generation_router.queue import Budget, Entry, Queue
 
 T = TypeVar("T")
@@ -143,8 +143,8 @@ class Batcher:
             self.in_flight = [e for e in self.in_flight if not e.done]  # a batch may run for hours
 
     async def _admit(
-        self, cached: pb.CachedBatch, entries: dict[int, Entry], waiting_steps: int
-    ) -> tuple[pb.CachedBatch | None, str]:
+        self, cached: CachedBatch, entries: dict[int, Entry], waiting_steps: int
+    ) -> tuple[CachedBatch | None, str]:
         """Prefill a new batch next to the running one when the queue warrants it."""
         if len(self.queue) == 0:
             return None, ""
@@ -161,7 +161,7 @@ class Batcher:
         entries.update(new_entries)
         return new_cached, "wait_exceeded" if wait_exceeded else "backpressure"
 
-    async def _prefill(self, entries: dict[int, Entry]) -> pb.CachedBatch | None:
+    async def _prefill(self, entries: dict[int, Entry]) -> CachedBatch | None:
         """Prefill the entries that can be encoded; the others have failed alone already."""
         requests = encode_requests(entries)
         if not requests:
@@ -171,7 +171,7 @@ class Batcher:
         self.metrics.batch_next_size.observe(len(requests))
         return await self._step("prefill", entries, [batch.id], self.client.prefill(batch))
 
-    async def _decode(self, entries: dict[int, Entry], batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
+    async def _decode(self, entries: dict[int, Entry], batches: list[CachedBatch]) -> CachedBatch | None:
         return await self._step("decode", entries, [b.id for b in batches], self.client.decode(batches))
 
     async def _step(
@@ -180,7 +180,7 @@ class Batcher:
         entries: dict[int, Entry],
         batch_ids: list[int],
         call: Coroutine[Any, Any, StepResult],
-    ) -> pb.CachedBatch | None:
+    ) -> CachedBatch | None:
         """Run one shard step, hand out its tokens and shrink the cached batch."""
         self.metrics.batch_inference_count.labels(method=method).inc()
         started = time.monotonic()
@@ -195,7 +195,7 @@ class Batcher:
         self._fail_orphans(result.batch, entries)
         return await self._follow_up(method, result.batch, entries)
 
-    def _fail_orphans(self, batch: pb.CachedBatch | None, entries: dict[int, Entry]) -> None:
+    def _fail_orphans(self, batch: CachedBatch | None, entries: dict[int, Entry]) -> None:
         """A live entry that the shard no longer holds would never get another token."""
         held = set(batch.request_ids) if batch is not None else set()
         for request_id in [i for i in entries if i not in held]:
@@ -212,9 +212,9 @@ class Batcher:
             m.batch_concat_duration.labels(method="decode").observe(result.concat_ns / 1e9)
 
     async def _follow_up(
-        self, method: str, batch: pb.CachedBatch | None, entries: dict[int, Entry]
-    ) -> pb.CachedBatch | None:
-        """Router-side follow-up of spec §1.5: ClearCache or FilterBatch as requests end."""
+        self, method: str, batch: CachedBatch | None, entries: dict[int, Entry]
+    ) -> CachedBatch | None:
+        """Router-side follow-up of docs/tgi-interface.md §1.5: ClearCache or FilterBatch as requests end."""
         if batch is None:
             return None
         if not entries:

@@ -1,4 +1,4 @@
-"""Chat routes: /v1/chat/completions (spec §2.5) and /chat_tokenize.
+"""Chat routes: /v1/chat/completions (docs/tgi-interface.md §2.5) and /chat_tokenize.
 
 A chat request becomes one generate request: the chat template renders the messages (a
 trailing assistant message is continued), `response_format` or the tools become its grammar
@@ -11,25 +11,26 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from text_generation_router import sse
 from text_generation_router.completions import completion
 from text_generation_router.connection import unless_disconnected
-from text_generation_router.errors import InferError, TemplateFailed
+from text_generation_router.errors import TemplateFailed
 from text_generation_router.events import TokenEvent
 from text_generation_router.http_body import read_json
-from text_generation_router.infer import Generation, Timing
+from text_generation_router.infer import FinishedGeneration, Timing
+from text_generation_router.lifecycle import Lifecycle
 from text_generation_router.openai_shapes import (
     FINGERPRINT,
     OPENAI_FINISH,
     adapter,
-    generate_one,
+    error_event,
     logprobs_json,
     now,
     sampling,
@@ -37,7 +38,6 @@ from text_generation_router.openai_shapes import (
     usage,
 )
 from text_generation_router.openapi import body_route, json_ok, json_or_sse_ok
-from text_generation_router.responses import generate_headers, stream_headers
 from text_generation_router.schemas import ChatRequest, CompletionRequest, GenerateParameters, Grammar
 from text_generation_router.state import AppState
 from text_generation_router.tokenizer import TemplateError
@@ -97,29 +97,12 @@ def response_model(req: ChatRequest, state: AppState) -> str:
     return state.model_id if req.model in (None, "tgi") else req.model
 
 
-async def chat_completion(state: AppState, req: ChatRequest) -> Response:
-    timing = Timing()
-    state.metrics.request_count.inc()
-    try:
-        plan = plan_chat(req, state)
-        if req.stream:
-            return StreamingResponse(sse.with_keep_alive(_chat_events(state, req, plan)),
-                                     media_type="text/event-stream", headers=stream_headers(len(plan.prompt)))
-        async with state.infer.slot():
-            g = await generate_one(state, plan.prompt, plan.params, timing, False)
-            message: dict[str, Any] = {"role": "assistant", "content": g.generated.text}
-            if plan.using_tools:
-                call = parse_tool_output(g.generated.text)
-                if call is None:  # no_tool: answer again, without tools
-                    plan = plan_chat(req, state, with_tools=False)
-                    g = await generate_one(state, plan.prompt, plan.params, timing, False)
-                    message["content"] = g.generated.text
-                else:
-                    message = {"role": "assistant", "tool_calls": [tool_call_json(*call)]}
-    except InferError as err:
-        state.metrics.request_failure.labels(err=err.metric_label).inc()
-        raise
-    state.metrics.request_success.inc()
+async def chat_completion(state: AppState, http: Request, req: ChatRequest) -> Response:
+    call = Lifecycle.start(state, http)
+    plan = call.prepare(lambda: plan_chat(req, state))
+    if req.stream:
+        return call.stream(lambda: _chat_events(state, req, plan), error_event, len(plan.prompt), sse.DONE)
+    g, message, plan = await call.answer(lambda: _chat_answer(state, req, plan, call.timing))
     body = {
         "object": "chat.completion", "id": "", "created": now(), "model": response_model(req, state),
         "system_fingerprint": FINGERPRINT,
@@ -127,7 +110,22 @@ async def chat_completion(state: AppState, req: ChatRequest) -> Response:
                      "finish_reason": OPENAI_FINISH[g.generated.finish_reason]}],
         "usage": usage(g.request.input_length, g.generated.generated_tokens),
     }
-    return sse.NanSafeJSONResponse(body, headers=generate_headers(g, timing, len(plan.prompt)))
+    return sse.NanSafeJSONResponse(body, headers=call.headers(g, len(plan.prompt)))
+
+
+async def _chat_answer(
+    state: AppState, req: ChatRequest, plan: ChatPlan, timing: Timing
+) -> tuple[FinishedGeneration, dict[str, Any], ChatPlan]:
+    """The generation, message and plan that answered: a model that chose no_tool is asked
+    again, without tools."""
+    g = await state.infer.complete(plan.prompt, plan.params, timing, False)
+    if plan.using_tools:
+        call = parse_tool_output(g.generated.text)
+        if call is not None:
+            return g, {"role": "assistant", "tool_calls": [tool_call_json(*call)]}, plan
+        plan = plan_chat(req, state, with_tools=False)
+        g = await state.infer.complete(plan.prompt, plan.params, timing, False)
+    return g, {"role": "assistant", "content": g.generated.text}, plan
 
 
 def _chunk(model: str, choices: list[dict[str, Any]], usage_json: Any = None) -> bytes:
@@ -146,21 +144,15 @@ def _tool_delta(call_id: str, name: str | None, arguments: str) -> dict[str, Any
                                                  "function": {"name": name, "arguments": arguments}}]}
 
 
-async def _chat_events(state: AppState, req: ChatRequest, plan: ChatPlan) -> AsyncIterator[bytes]:
+async def _chat_events(state: AppState, req: ChatRequest, plan: ChatPlan) -> AsyncGenerator[bytes, None]:
     model, call_id = response_model(req, state), next_tool_call_id([m.template_dict() for m in req.messages])
     declined = [False]  # set when the model chose no_tool: the request is answered again without tools
-    try:
-        async with state.infer.slot():
-            async for chunk in _plan_chunks(state, req, plan, (model, call_id), declined):
-                yield chunk
-            if declined[0]:
-                plain = plan_chat(req, state, with_tools=False)
-                async for chunk in _plan_chunks(state, req, plain, (model, call_id), declined):
-                    yield chunk
-    except InferError as err:
-        state.metrics.request_failure.labels(err=err.metric_label).inc()
-        yield sse.event({"error": {"message": err.message, "http_status_code": 422}})
-    yield sse.DONE
+    async for chunk in _plan_chunks(state, req, plan, (model, call_id), declined):
+        yield chunk
+    if declined[0]:
+        plain = plan_chat(req, state, with_tools=False)
+        async for chunk in _plan_chunks(state, req, plain, (model, call_id), declined):
+            yield chunk
 
 
 async def _plan_chunks(state: AppState, req: ChatRequest, plan: ChatPlan, ids: tuple[str, str],
@@ -191,7 +183,6 @@ async def _plan_chunks(state: AppState, req: ChatRequest, plan: ChatPlan, ids: t
                 yield _chunk(model, [{"index": 0, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": finish if last else None}])
             if end is not None:
-                state.metrics.request_success.inc()
                 if req.stream_options is not None and req.stream_options.include_usage:
                     yield _chunk(model, [], usage(request.input_length, end.generated_tokens))
                 return
@@ -213,13 +204,13 @@ def register_openai_routes(app: FastAPI, state: AppState) -> None:
         ChatRequest, json_or_sse_ok("ChatCompletion, or chat.completion.chunk events ending with [DONE]")))
     async def chat(request: Request) -> Response:
         body = await read_json(request, ChatRequest, limit)
-        return await unless_disconnected(request, chat_completion(state, body))
+        return await chat_completion(state, request, body)
 
     @app.post("/v1/completions", openapi_extra=body_route(
         CompletionRequest, json_or_sse_ok("CompletionFinal, or text_completion events ending with [DONE]")))
     async def completions(request: Request) -> Response:
         body = await read_json(request, CompletionRequest, limit)
-        return await unless_disconnected(request, completion(state, body))
+        return await completion(state, request, body)
 
     @app.post("/chat_tokenize", openapi_extra=body_route(ChatRequest, json_ok(
         "The templated prompt (templated_text) and its tokens (tokenize_response)")))
@@ -228,4 +219,4 @@ def register_openai_routes(app: FastAPI, state: AppState) -> None:
         return await unless_disconnected(request, chat_tokenize(state, body))
 
 
-__all__ = ["Generation", "register_openai_routes"]
+__all__ = ["register_openai_routes"]

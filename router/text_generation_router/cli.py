@@ -1,4 +1,4 @@
-"""`text-generation-router`: handshake with the shard, then serve HTTP (spec §3.2 step 3)."""
+"""`text-generation-router`: handshake with the shard, then serve HTTP (docs/tgi-interface.md §3.2 step 3)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from loguru import logger
 
 from text_generation_router.batcher import Batcher, Health
 from text_generation_router.config import RouterConfig
+from text_generation_router.env import RouterEnv
 from text_generation_router.handshake import handshake
 from text_generation_router.infer import Infer
 from text_generation_router.metrics import build_metrics
@@ -92,7 +93,7 @@ async def serve(config: RouterConfig) -> None:
     )
     infer = Infer(tokenizer, queue, request_limits, metrics, config.max_concurrent_requests,
                   config.validation_workers)
-    state = AppState(config, limits, shard, client, tokenizer, infer, metrics, health)
+    state = AppState(config, limits, shard, client, tokenizer, infer, metrics, health, RouterEnv.read())
     batcher = Batcher(client, queue, shard, limits, metrics, health,
                       (config.waiting_served_ratio, config.max_waiting_tokens, config.max_batch_size))
     app = build_app(state, batcher)

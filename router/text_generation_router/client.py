@@ -1,6 +1,6 @@
 """Async gRPC client of one or more generate.v3 shards over unix sockets.
 
-Every RPC goes to all shards in parallel (spec §1.4 step 2); generations are concatenated,
+Every RPC goes to all shards in parallel (docs/tgi-interface.md §1.4 step 2); generations are concatenated,
 other answers are taken from the first shard. Idempotent calls are retried when the
 channel reports UNAVAILABLE, because an idle unix channel can drop its connection.
 """

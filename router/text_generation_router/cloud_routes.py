@@ -17,12 +17,11 @@ from pydantic import ValidationError as PydanticError
 
 from text_generation_router.chat import chat_completion, plan_chat
 from text_generation_router.completions import completion
-from text_generation_router.connection import unless_disconnected
 from text_generation_router.errors import InferError
 from text_generation_router.generate import generate_response, stream_response
 from text_generation_router.http_body import TYPE_PREFIX, BodyError, read_json, read_json_value
 from text_generation_router.infer import Timing, run_together
-from text_generation_router.openai_shapes import generate_one
+from text_generation_router.lifecycle import Lifecycle
 from text_generation_router.openapi import body_route, json_ok, json_or_sse_ok
 from text_generation_router.schemas import (
     ChatRequest,
@@ -56,39 +55,64 @@ def sagemaker_body(data: Any) -> BaseModel:
     raise BodyError(422, f"{TYPE_PREFIX}: data did not match any variant of untagged enum SagemakerRequest")
 
 
-async def sagemaker(state: AppState, body: BaseModel) -> Response:
+class VertexEmpty(InferError):
+    """`instances` is empty: upstream's 422, with its message as error_type."""
+
+    status = 422
+    error_type = "Input validation error"
+    metric_label = "validation"
+
+    def __init__(self) -> None:
+        super().__init__("Input validation error")
+
+
+class VertexFailed(InferError):
+    """Any failure of a /vertex instance, as upstream answers it (whatever the cause)."""
+
+    status = 500
+    error_type = "Incomplete generation"
+
+    def __init__(self) -> None:
+        super().__init__("Incomplete generation")
+
+
+async def sagemaker(state: AppState, http: Request, body: BaseModel) -> Response:
     if isinstance(body, CompatGenerateRequest):
         if body.stream:
-            return stream_response(state, body, default_full_text=True)
-        return await generate_response(state, body, default_full_text=True, as_list=True)
+            return stream_response(state, http, body, default_full_text=True)
+        return await generate_response(state, http, body, default_full_text=True, as_list=True)
     if isinstance(body, ChatRequest):
-        return await chat_completion(state, body)
+        return await chat_completion(state, http, body)
     assert isinstance(body, CompletionRequest)
-    return await completion(state, body)
+    return await completion(state, http, body)
 
 
-async def vertex(state: AppState, req: VertexRequest) -> JSONResponse:
-    state.metrics.request_count.inc()
+def vertex_prompts(state: AppState, req: VertexRequest) -> list[tuple[str, GenerateParameters, bool]]:
+    """(prompt, parameters, add_special_tokens) of each instance; template and tool errors
+    answer as themselves."""
     if not req.instances:
-        return JSONResponse({"error": "Input validation error", "error_type": "Input validation error"}, 422)
-    requests: list[tuple[str, GenerateParameters, bool]] = []
+        raise VertexEmpty()
+    prompts: list[tuple[str, GenerateParameters, bool]] = []
     for instance in req.instances:
         if isinstance(instance, GenerateVertexInstance):
             p = instance.parameters or GenerateParameters()
             params = GenerateParameters(do_sample=True, max_new_tokens=p.max_new_tokens, seed=p.seed, details=True,
                                         decoder_input_details=True)
-            requests.append((instance.inputs, params, True))
+            prompts.append((instance.inputs, params, True))
         else:
-            plan = plan_chat(instance, state)  # template and tool errors answer as themselves
-            requests.append((plan.prompt, plan.params, False))
-    try:
-        async with state.infer.slot():
-            generations = await run_together([generate_one(state, prompt, params, Timing(), special)
-                                               for prompt, params, special in requests])
-    except InferError as err:
-        state.metrics.request_failure.labels(err=err.metric_label).inc()
-        return JSONResponse({"error": "Incomplete generation", "error_type": "Incomplete generation"}, 500)
-    state.metrics.request_success.inc()
+            plan = plan_chat(instance, state)
+            prompts.append((plan.prompt, plan.params, False))
+    return prompts
+
+
+async def vertex(state: AppState, http: Request, req: VertexRequest) -> JSONResponse:
+    call = Lifecycle.start(state, http)
+    prompts = call.prepare(lambda: vertex_prompts(state, req))
+    generations = await call.answer(
+        lambda: run_together([state.infer.complete(prompt, params, Timing(), special)
+                              for prompt, params, special in prompts]),
+        fail=lambda _: VertexFailed(),
+    )
     return JSONResponse({"predictions": [g.generated.text for g in generations]})
 
 
@@ -99,12 +123,12 @@ def register_cloud_routes(app: FastAPI, state: AppState) -> None:
         "As /, /v1/chat/completions or /v1/completions, whichever body it is")))
     async def invocations(request: Request) -> Response:
         body = sagemaker_body(await read_json_value(request, limit))
-        return await unless_disconnected(request, sagemaker(state, body))
+        return await sagemaker(state, request, body)
 
     @app.post("/vertex", openapi_extra=body_route(VertexRequest, json_ok("{predictions: [generated text]}")))
     async def vertex_route(request: Request) -> Response:
         body = await read_json(request, VertexRequest, limit)
-        return await unless_disconnected(request, vertex(state, body))
+        return await vertex(state, request, body)
 
 
 __all__ = ["register_cloud_routes"]

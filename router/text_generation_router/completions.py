@@ -1,31 +1,30 @@
-"""POST /v1/completions (spec §2.6): each prompt is a generate request (special tokens added,
+"""POST /v1/completions (docs/tgi-interface.md §2.6): each prompt is a generate request (special tokens added,
 as upstream); streams interleave the prompts' chunks and end with `data:[DONE]`."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
-from fastapi import Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
 
 from text_generation_router import sse
-from text_generation_router.errors import InferError
 from text_generation_router.events import TokenEvent
 from text_generation_router.infer import Timing, run_together
+from text_generation_router.lifecycle import Lifecycle
 from text_generation_router.openai_shapes import (
     FINGERPRINT,
     OPENAI_FINISH,
     OpenAIError,
     adapter,
-    generate_one,
+    error_event,
     now,
     sampling,
     stops,
     usage,
 )
-from text_generation_router.responses import stream_headers
 from text_generation_router.schemas import CompletionRequest, GenerateParameters
 from text_generation_router.state import AppState
 
@@ -55,20 +54,13 @@ def _envelope(state: AppState, choices: list[dict[str, Any]]) -> dict[str, Any]:
             "model": state.model_id, "system_fingerprint": FINGERPRINT, "choices": choices}
 
 
-async def completion(state: AppState, req: CompletionRequest) -> Response:
-    state.metrics.request_count.inc()
-    try:
-        prompts, p = completion_parameters(req, state)
-        if req.stream:
-            return StreamingResponse(sse.with_keep_alive(_completion_events(state, prompts, p)),
-                                     media_type="text/event-stream",
-                                     headers=stream_headers(sum(len(x) for x in prompts)))
-        async with state.infer.slot():
-            gens = await run_together([generate_one(state, x, p, Timing(), True) for x in prompts])
-    except InferError as err:
-        state.metrics.request_failure.labels(err=err.metric_label).inc()
-        raise
-    state.metrics.request_success.inc()
+async def completion(state: AppState, http: Request, req: CompletionRequest) -> Response:
+    call = Lifecycle.start(state, http)
+    prompts, p = call.prepare(lambda: completion_parameters(req, state))
+    if req.stream:
+        return call.stream(lambda: _completion_events(state, prompts, p), error_event,
+                           sum(len(x) for x in prompts), sse.DONE)
+    gens = await call.answer(lambda: run_together([state.infer.complete(x, p, Timing(), True) for x in prompts]))
     choices = [{"index": i, "text": g.generated.text, "logprobs": None,
                 "finish_reason": OPENAI_FINISH[g.generated.finish_reason]} for i, g in enumerate(gens)]
     body = _envelope(state, choices)
@@ -76,8 +68,11 @@ async def completion(state: AppState, req: CompletionRequest) -> Response:
     return JSONResponse(body)
 
 
-async def _completion_events(state: AppState, prompts: list[str], p: GenerateParameters) -> AsyncIterator[bytes]:
-    """Chunks of all prompts interleaved as they come; each prompt's last chunk has usage."""
+async def _completion_events(
+    state: AppState, prompts: list[str], p: GenerateParameters
+) -> AsyncGenerator[bytes, None]:
+    """Chunks of all prompts interleaved as they come; each prompt's last chunk has usage.
+    A prompt's failure is raised once the chunks before it are out."""
     out: asyncio.Queue[bytes | None] = asyncio.Queue()
 
     async def one(index: int, prompt: str) -> None:
@@ -96,18 +91,14 @@ async def _completion_events(state: AppState, prompts: list[str], p: GeneratePar
 
     async def run_all() -> None:
         try:
-            async with state.infer.slot():
-                await run_together([one(i, x) for i, x in enumerate(prompts)])
-            state.metrics.request_success.inc()
-        except InferError as err:
-            state.metrics.request_failure.labels(err=err.metric_label).inc()
-            await out.put(sse.event({"error": {"message": err.message, "http_status_code": 422}}))
-        await out.put(None)
+            await run_together([one(i, x) for i, x in enumerate(prompts)])
+        finally:
+            await out.put(None)
 
     task = asyncio.create_task(run_all())
     try:
         while (item := await out.get()) is not None:
             yield item
-        yield sse.DONE
+        await task  # raises the prompt's error, if one failed
     finally:
         task.cancel()

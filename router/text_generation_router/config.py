@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Flags of `text-generation-router` (upstream names and defaults, spec §3.2).
+    """Flags of `text-generation-router` (upstream names and defaults, docs/tgi-interface.md §3.2).
 
     Attributes:
         master_shard_uds_path: socket of shard 0 (the launcher passes `{uds}-0`).
@@ -82,7 +82,7 @@ class RouterConfig:
 
 @dataclass(frozen=True)
 class ServingLimits:
-    """Token limits fixed by the warmup handshake (spec §1.4 step 6)."""
+    """Token limits fixed by the warmup handshake (docs/tgi-interface.md §1.4 step 6)."""
 
     max_input_tokens: int
     max_total_tokens: int

@@ -1,4 +1,6 @@
-"""The protobuf boundary of the batcher: entries -> pb.Batch, pb.Generation -> events.
+"""The router's protobuf boundary: every pb message the router sends is built here (the
+batcher's entries -> pb.Batch, the handshake's warmup, /health's probe), and pb.Generation
+becomes events here. Other modules name the shard's answers through the aliases below.
 
 Containment rule: whatever goes wrong with one entry here (a value protobuf cannot encode, a
 refusal the shard reports for one request) ends that entry alone with its error event; the
@@ -13,7 +15,7 @@ from loguru import logger
 
 from text_generation_router.events import (
     GeneratedText,
-    LayerSkip,
+    LayerSkipReport,
     PrefillEvent,
     Token,
     TokenEvent,
@@ -22,11 +24,21 @@ from text_generation_router.metrics import Metrics
 from text_generation_router.pb import generate_pb2 as pb
 from text_generation_router.queue import Entry
 
+CachedBatch = pb.CachedBatch  # the shard's handle of a batch it keeps; the batcher passes it back
+WarmupResponse = pb.WarmupResponse
+
+HEALTH_BATCH_ID = 2**64 - 1
+
 FINISH_REASONS = {
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_EOS_TOKEN: "eos_token",
     pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
 }
+
+
+def _text_input(text: str) -> pb.Input:
+    """The prompt as the one text chunk v3 shards read (the router serves text only)."""
+    return pb.Input(chunks=[pb.InputChunk(text=text)])
 
 
 def to_pb_request(entry: Entry) -> pb.Request:
@@ -35,7 +47,7 @@ def to_pb_request(entry: Entry) -> pb.Request:
     request = pb.Request(
         id=entry.id,
         inputs=r.inputs,
-        input_chunks=pb.Input(chunks=[pb.InputChunk(text=r.inputs)]),
+        input_chunks=_text_input(r.inputs),
         truncate=r.truncate,
         add_special_tokens=r.add_special_tokens,
         prefill_logprobs=r.decoder_input_details,
@@ -84,6 +96,75 @@ def to_pb_batch(batch_id: int, entries: list[Entry], requests: list[pb.Request])
     )
 
 
+def build_warmup_batch(
+    max_input_tokens: int | None,
+    max_prefill_tokens: int,
+    max_total_tokens: int | None,
+    max_batch_size: int | None,
+) -> pb.Batch:
+    """Dry-run batch of docs/tgi-interface.md §1.4 step 5: `_test ` prompts summing to max_prefill_tokens.
+
+    The image chunk upstream adds for vision models is left out: this router serves text.
+    """
+    requests: list[pb.Request] = []
+    remaining = max_prefill_tokens
+    while remaining > 0 and (max_batch_size is None or len(requests) < max_batch_size):
+        truncate = min(remaining, max_input_tokens) if max_input_tokens else remaining
+        remaining -= truncate
+        text = "_test " * truncate
+        max_new = max_total_tokens - truncate if max_total_tokens else 1
+        requests.append(
+            pb.Request(
+                id=0,
+                inputs=text,
+                input_chunks=_text_input(text),
+                truncate=truncate,
+                add_special_tokens=True,
+                prefill_logprobs=True,
+                top_n_tokens=20,
+                parameters=pb.NextTokenChooserParameters(
+                    temperature=0.9, top_k=10, top_p=0.9, typical_p=0.9, do_sample=False,
+                    # Upstream sends watermark=true; shards without watermarking (ours)
+                    # reject it, and warmup does not need it to size memory.
+                    seed=0, repetition_penalty=1.2, frequency_penalty=0.1, watermark=False,
+                    grammar="", grammar_type=pb.GRAMMAR_TYPE_NONE,
+                ),
+                stopping_parameters=pb.StoppingCriteriaParameters(
+                    max_new_tokens=max(max_new, 1), stop_sequences=[], ignore_eos_token=True
+                ),
+            )
+        )
+    return pb.Batch(
+        id=0, requests=requests, size=len(requests), max_tokens=max_input_tokens or 0,
+        max_blocks=0,
+    )
+
+
+def warmup_request(
+    batch: pb.Batch, max_prefill_tokens: int, max_input_tokens: int | None, max_total_tokens: int | None
+) -> pb.WarmupRequest:
+    """Warmup of `batch`; the limits the operator fixed are sent, the others left to the shard."""
+    request = pb.WarmupRequest(batch=batch, max_prefill_tokens=max_prefill_tokens)
+    if max_input_tokens is not None:
+        request.max_input_tokens = max_input_tokens
+    if max_total_tokens is not None:
+        request.max_total_tokens = max_total_tokens
+    return request
+
+
+def health_batch() -> pb.Batch:
+    """A one-token Prefill of a fixed prompt, as /health sends once generation failed."""
+    request = pb.Request(
+        id=HEALTH_BATCH_ID, inputs="liveness", truncate=1, add_special_tokens=False,
+        input_chunks=_text_input("liveness"),
+        parameters=pb.NextTokenChooserParameters(temperature=1.0, top_p=1.0, typical_p=1.0,
+                                                 repetition_penalty=1.0),
+        stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=1),
+        blocks=[0], slots=[0],
+    )
+    return pb.Batch(id=HEALTH_BATCH_ID, requests=[request], size=1, max_tokens=2, max_blocks=1)
+
+
 def dispatch_request_errors(errors: list[tuple[int, str]], entries: dict[int, Entry]) -> None:
     """The shard refused these requests alone (request_errors extension): 422 each."""
     for request_id, message in errors:
@@ -100,11 +181,11 @@ def _tokens(t: pb.Tokens) -> list[Token]:
     ]
 
 
-def _layer_skip(g: pb.Generation) -> LayerSkip | None:
+def _layer_skip(g: pb.Generation) -> LayerSkipReport | None:
     if not g.HasField("layer_skip"):
         return None
     r = g.layer_skip
-    return LayerSkip(
+    return LayerSkipReport(
         mode=r.mode, skipped_layers=list(r.skipped_layers), rule=r.rule,
         max_score=r.max_score, mean_score=r.mean_score, stats=dict(r.stats),
     )

@@ -1,4 +1,4 @@
-"""Errors that reach HTTP clients: status code, upstream error_type and message (spec §2.8)."""
+"""Errors that reach HTTP clients: status code, upstream error_type and message (docs/tgi-interface.md §2.8)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,17 @@ class IncompleteGeneration(InferError):
 
     def __init__(self) -> None:
         super().__init__("Incomplete generation")
+
+
+class IncompleteStream(InferError):
+    """A stream that ended without its last token (the native stream's own error_type)."""
+
+    status = 500
+    error_type = "incomplete_generation_stream"
+    metric_label = "incomplete"
+
+    def __init__(self) -> None:
+        super().__init__("Incomplete generation stream")
 
 
 class TemplateFailed(InferError):

@@ -14,7 +14,7 @@ class Token:
 
 
 @dataclass(frozen=True)
-class LayerSkip:
+class LayerSkipReport:
     """The shard's layer-skip plan for a request (proto LayerSkipReport)."""
 
     mode: str
@@ -47,7 +47,7 @@ class TokenEvent:
     token: Token
     top_tokens: list[Token] = field(default_factory=list)
     end: GeneratedText | None = None
-    layer_skip: LayerSkip | None = None
+    layer_skip: LayerSkipReport | None = None
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,26 @@
-"""The native generation routes: POST /generate, /generate_stream and / (spec §2.1-2.4)."""
+"""The native generation routes: POST /generate, /generate_stream and / (docs/tgi-interface.md §2.1-2.4)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from text_generation_router import sse
-from text_generation_router.errors import InferError, ValidationFailed
+from text_generation_router.errors import IncompleteStream, InferError, ValidationFailed
 from text_generation_router.events import TokenEvent
-from text_generation_router.infer import Generation, Timing, run_together
-from text_generation_router.responses import (
-    generate_headers,
-    generate_json,
-    stream_headers,
-    stream_token_json,
-)
+from text_generation_router.infer import FinishedGeneration, Timing, run_together
+from text_generation_router.lifecycle import Lifecycle
+from text_generation_router.responses import generate_json, stream_token_json
 from text_generation_router.schemas import GenerateRequest
 from text_generation_router.state import AppState
 from text_generation_router.validation import ValidationError, validate_best_of
 
 
-def _mean_logprob(g: Generation) -> float:
+def _mean_logprob(g: FinishedGeneration) -> float:
     if not g.tokens:
         return float("-inf")
     return sum(t.logprob for t in g.tokens) / len(g.tokens)
@@ -30,7 +28,7 @@ def _mean_logprob(g: Generation) -> float:
 
 async def run_generate(
     state: AppState, req: GenerateRequest, timing: Timing
-) -> tuple[Generation, list[Generation]]:
+) -> tuple[FinishedGeneration, list[FinishedGeneration]]:
     """Validate and run one request (or best_of copies); returns (best, others)."""
     p = req.effective_parameters()
     best_of = p.best_of if p.best_of is not None else 1
@@ -48,67 +46,55 @@ async def run_generate(
     return ranked[0], ranked[1:]
 
 
+def error_event(err: InferError) -> bytes:
+    """The native stream's last event when its request fails."""
+    return sse.event({"error": err.message, "error_type": err.error_type})
+
+
 async def generate_response(
-    state: AppState, req: GenerateRequest, default_full_text: bool, as_list: bool
+    state: AppState, http: Request, req: GenerateRequest, default_full_text: bool, as_list: bool
 ) -> sse.NanSafeJSONResponse:
     """Non-streaming answer of /generate (object) or / (one-item list)."""
-    timing = Timing()
-    state.metrics.request_count.inc()
-    try:
-        async with state.infer.slot():
-            best, others = await run_generate(state, req, timing)
-    except InferError as err:
-        state.metrics.request_failure.labels(err=err.metric_label).inc()
-        raise
+    call = Lifecycle.start(state, http)
+    best, others = await call.answer(lambda: run_generate(state, req, call.timing))
     p = req.effective_parameters()
     full = p.return_full_text if p.return_full_text is not None else default_full_text
     details = p.details or p.decoder_input_details
     body = generate_json(best, details, full, others)
-    state.metrics.request_success.inc()
-    headers = generate_headers(best, timing, len(req.inputs))
+    headers = call.headers(best, len(req.inputs))
     return sse.NanSafeJSONResponse([body] if as_list else body, headers=headers)
 
 
 async def _stream_events(
-    state: AppState, req: GenerateRequest, default_full_text: bool
-) -> AsyncIterator[bytes]:
-    timing = Timing()
-    state.metrics.request_count.inc()
-    try:
-        async with state.infer.slot():
-            p = req.effective_parameters()
-            if p.best_of is not None and p.best_of != 1:
-                raise ValidationFailed("`best_of` != 1 is not supported when streaming tokens")
-            if p.decoder_input_details:
-                raise ValidationFailed(
-                    "`decoder_input_details` == true is not supported when streaming tokens"
-                )
-            request = await state.infer.validate(req.inputs, p, req.add_special_tokens)
-            timing.validated = time.monotonic()
-            full = p.return_full_text if p.return_full_text is not None else default_full_text
-            prefix = req.inputs if full else ""
-            index = 0
-            async for event in state.infer.stream(request, timing):
-                if not isinstance(event, TokenEvent):
-                    continue
-                index += 1
-                yield sse.event(stream_token_json(
-                    index, event.token, event.top_tokens, event.end, p.details, prefix,
-                    request.input_length,
-                ))
-                if event.end is not None:
-                    state.metrics.request_success.inc()
-                    return
-        yield sse.event({"error": "Incomplete generation stream", "error_type": "incomplete_generation_stream"})
-    except InferError as err:
-        state.metrics.request_failure.labels(err=err.metric_label).inc()
-        yield sse.event({"error": err.message, "error_type": err.error_type})
+    state: AppState, req: GenerateRequest, default_full_text: bool, timing: Timing
+) -> AsyncGenerator[bytes, None]:
+    p = req.effective_parameters()
+    if p.best_of is not None and p.best_of != 1:
+        raise ValidationFailed("`best_of` != 1 is not supported when streaming tokens")
+    if p.decoder_input_details:
+        raise ValidationFailed("`decoder_input_details` == true is not supported when streaming tokens")
+    request = await state.infer.validate(req.inputs, p, req.add_special_tokens)
+    timing.validated = time.monotonic()
+    full = p.return_full_text if p.return_full_text is not None else default_full_text
+    prefix = req.inputs if full else ""
+    index = 0
+    async with contextlib.aclosing(state.infer.stream(request, timing)) as events:
+        async for event in events:
+            if not isinstance(event, TokenEvent):
+                continue
+            index += 1
+            yield sse.event(stream_token_json(
+                index, event.token, event.top_tokens, event.end, p.details, prefix, request.input_length,
+            ))
+            if event.end is not None:
+                return
+    raise IncompleteStream()
 
 
-def stream_response(state: AppState, req: GenerateRequest, default_full_text: bool) -> StreamingResponse:
+def stream_response(
+    state: AppState, http: Request, req: GenerateRequest, default_full_text: bool
+) -> StreamingResponse:
     """SSE of StreamResponse events; always 200, errors arrive as events (no [DONE])."""
-    return StreamingResponse(
-        sse.with_keep_alive(_stream_events(state, req, default_full_text)),
-        media_type="text/event-stream",
-        headers=stream_headers(len(req.inputs)),
-    )
+    call = Lifecycle.start(state, http)
+    return call.stream(lambda: _stream_events(state, req, default_full_text, call.timing), error_event,
+                       len(req.inputs))

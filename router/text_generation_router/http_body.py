@@ -1,4 +1,4 @@
-"""Reading JSON bodies the way upstream's axum/serde extractor answers (spec §2.8 notes).
+"""Reading JSON bodies the way upstream's axum/serde extractor answers (docs/tgi-interface.md §2.8 notes).
 
 415 without a JSON content type, 413 over the payload limit (counted while reading, so a body
 without Content-Length cannot grow past it), 400 for text that is not JSON (a syntax error,

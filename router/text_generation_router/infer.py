@@ -1,7 +1,7 @@
 """From an HTTP request to a stream of tokens: concurrency limit, validation, queueing.
 
 `Infer.stream` yields TokenEvents (and a PrefillEvent when asked) and raises InferError;
-`Infer.generate` collects them into a `Generation` for the non-streaming routes. As upstream,
+`Infer.generate` collects them into a `FinishedGeneration` for the non-streaming routes. As upstream,
 a request is served in chunks of at most 1024 new tokens: a chunk that ends by length before
 the request's max_new_tokens is re-queued with its text appended to the prompt, until the
 request is done or its next chunk no longer passes validation. Every generation route ends
@@ -31,7 +31,7 @@ from text_generation_router.events import (
     ErrorEvent,
     GeneratedText,
     InferEvent,
-    LayerSkip,
+    LayerSkipReport,
     PrefillEvent,
     Token,
     TokenEvent,
@@ -68,15 +68,16 @@ async def run_together(works: list[Coroutine[Any, Any, T]]) -> list[T]:
 
 
 @dataclass
-class Generation:
-    """A finished request, as the non-streaming routes need it."""
+class FinishedGeneration:
+    """A finished request, as the non-streaming routes need it (the shard's pb.Generation is
+    one step's output; this is the whole request's)."""
 
     request: ValidRequest
     generated: GeneratedText
     tokens: list[Token] = field(default_factory=list)
     top_tokens: list[list[Token]] = field(default_factory=list)
     prefill: list[Token] = field(default_factory=list)
-    layer_skip: LayerSkip | None = None
+    layer_skip: LayerSkipReport | None = None
     queued_s: float = 0.0
     inference_s: float = 0.0
 
@@ -177,7 +178,6 @@ class Infer:
             if end.finish_reason == "length" and generated < request.max_total_new_tokens:
                 following = await self._next_chunk(request, chunk, last.end.text, generated)
             if following is None:
-                self.metrics.request_duration.observe(time.monotonic() - timing.started)
                 yield dataclasses.replace(last, end=end)
                 return
             yield dataclasses.replace(last, end=None)
@@ -220,7 +220,15 @@ class Infer:
                 entry.dropped = True
                 self.metrics.request_failure.labels(err="dropped").inc()
 
-    async def generate(self, request: ValidRequest, timing: Timing) -> Generation:
+    async def complete(
+        self, inputs: str, p: GenerateParameters, timing: Timing, add_special_tokens: bool
+    ) -> FinishedGeneration:
+        """Validate one prompt and run it to completion."""
+        request = await self.validate(inputs, p, add_special_tokens)
+        timing.validated = time.monotonic()
+        return await self.generate(request, timing)
+
+    async def generate(self, request: ValidRequest, timing: Timing) -> FinishedGeneration:
         """Run a request to completion and collect its tokens."""
         tokens: list[Token] = []
         tops: list[list[Token]] = []
@@ -234,7 +242,7 @@ class Infer:
                     tops.append(event.top_tokens)
                 if event.end is not None:
                     now = time.monotonic()
-                    return Generation(
+                    return FinishedGeneration(
                         request=request, generated=event.end, tokens=tokens, top_tokens=tops,
                         prefill=prefill, layer_skip=event.layer_skip,
                         queued_s=timing.first_batched - timing.validated,

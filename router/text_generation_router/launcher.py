@@ -1,6 +1,6 @@
 """`text-generation-launcher`: download weights, start the shard, then the router; watch both.
 
-Follows upstream's order (spec §0, §3.2): download-weights must exit 0; the shard is ready
+Follows upstream's order (docs/tgi-interface.md §0, §3.2): download-weights must exit 0; the shard is ready
 when its socket file exists; a child that exits makes the launcher stop the other one and
 exit non-zero naming it; SIGINT/SIGTERM stop both process groups gracefully.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 
 from text_generation_router.launcher_args import LauncherArgs, parse_args
+from text_generation_router.layer_skip import LayerSkipMode
 
 POLL_S = 0.1
 TAIL_LINES = 40
@@ -111,8 +112,8 @@ class ShardLog:
 
 
 def child_env(args: LauncherArgs) -> dict[str, str]:
-    """Launcher env minus LOG_LEVEL, plus what upstream gives every shard (spec §3.2)."""
-    env = {k: v for k, v in os.environ.items() if k != "LOG_LEVEL"}
+    """Launcher env minus LOG_LEVEL, plus what upstream gives every shard (docs/tgi-interface.md §3.2)."""
+    env = {k: v for k, v in args.env.environ.items() if k != "LOG_LEVEL"}
     a = args.ns
     env.setdefault("ATTENTION", "paged")
     env.setdefault("PREFIX_CACHING", "0")
@@ -121,8 +122,8 @@ def child_env(args: LauncherArgs) -> dict[str, str]:
         "MASTER_PORT": str(a.master_port), "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "TORCH_NCCL_AVOID_RECORD_STREAMS": "1", "SAFETENSORS_FAST_GPU": "1",
     })
-    if "HF_API_TOKEN" in os.environ:
-        env["HF_TOKEN"] = os.environ["HF_API_TOKEN"]
+    if "HF_API_TOKEN" in args.env.environ:
+        env["HF_TOKEN"] = args.env.environ["HF_API_TOKEN"]
     if a.huggingface_hub_cache:
         env["HUGGINGFACE_HUB_CACHE"] = a.huggingface_hub_cache
     if a.max_total_tokens is not None:
@@ -169,7 +170,7 @@ class ChildFailed(RuntimeError):
 
 
 def shard_argv(args: LauncherArgs) -> list[str]:
-    """Upstream's exact order (spec §3.2 step 2), then this fork's extensions."""
+    """Upstream's exact order (docs/tgi-interface.md §3.2 step 2), then this fork's extensions."""
     a = args.ns
     argv = [executable("text-generation-server"), "serve", a.model_id, "--uds-path",
             a.shard_uds_path, "--logger-level", "INFO", "--json-output"]
@@ -189,7 +190,7 @@ def shard_argv(args: LauncherArgs) -> list[str]:
     if args.max_input_tokens is not None:
         argv += ["--max-input-tokens", str(args.max_input_tokens)]
     argv += ["--runner", a.runner]
-    if a.layer_skip_mode != "off":
+    if a.layer_skip_mode != LayerSkipMode.OFF:
         argv += ["--layer-skip-mode", a.layer_skip_mode]
     if a.layer_skip_policy:
         argv += ["--layer-skip-policy", a.layer_skip_policy]

@@ -1,12 +1,13 @@
 """Flags of `text-generation-launcher`: upstream names and defaults, SCREAMING_SNAKE env
-equivalents (spec §3.1), and the upstream flags this backend refuses by name."""
+equivalents (docs/tgi-interface.md §3.1), and the upstream flags this backend refuses by name."""
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import os
 from dataclasses import dataclass
+
+from text_generation_router.env import LauncherEnv
+from text_generation_router.layer_skip import LAYER_SKIP_MODES, LayerSkipMode
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -29,47 +30,19 @@ REFUSED = {
 }
 
 
-def _env(name: str, default: str | None) -> str | None:
-    return os.environ.get(name, default)
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
-
-
-def _env_float(name: str) -> float | None:
-    value = os.environ.get(name)
-    return float(value) if value not in (None, "") else None
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
-
-
-def _hostname_default() -> str:
-    """HOSTNAME is usually the machine's name, not an address: upstream falls back then."""
-    value = os.environ.get("HOSTNAME", "")
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        return "0.0.0.0"
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(env: LauncherEnv) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="text-generation-launcher")
-    p.add_argument("--model-id", default=_env("MODEL_ID", DEFAULT_MODEL_ID))
-    p.add_argument("--revision", default=_env("REVISION", None))
-    p.add_argument("--quantize", default=_env("QUANTIZE", None), choices=[
+    p.add_argument("--model-id", default=env.text("MODEL_ID", DEFAULT_MODEL_ID))
+    p.add_argument("--revision", default=env.text("REVISION", None))
+    p.add_argument("--quantize", default=env.text("QUANTIZE", None), choices=[
         "awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bitsandbytes",
         "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8"])
-    p.add_argument("--dtype", default=_env("DTYPE", None), choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--dtype", default=env.text("DTYPE", None), choices=["float16", "bfloat16", "float32"])
     # Upstream's n-gram speculation: up to N draft tokens per step (Medusa heads are not supported).
-    p.add_argument("--speculate", type=int, default=_env_int("SPECULATE", None))
-    p.add_argument("--trust-remote-code", action="store_true", default=_env_flag("TRUST_REMOTE_CODE"))
-    p.add_argument("--num-shard", type=int, default=_env_int("NUM_SHARD", None))
-    p.add_argument("--sharded", default=_env("SHARDED", None), choices=["true", "false"])
+    p.add_argument("--speculate", type=int, default=env.integer("SPECULATE", None))
+    p.add_argument("--trust-remote-code", action="store_true", default=env.flag("TRUST_REMOTE_CODE"))
+    p.add_argument("--num-shard", type=int, default=env.integer("NUM_SHARD", None))
+    p.add_argument("--sharded", default=env.text("SHARDED", None), choices=["true", "false"])
     ints: list[tuple[str, int | None]] = [
         ("max-input-tokens", None), ("max-input-length", None), ("max-total-tokens", None),
         ("max-batch-prefill-tokens", None), ("max-batch-total-tokens", None),
@@ -80,34 +53,33 @@ def build_parser() -> argparse.ArgumentParser:
         ("graceful-termination-timeout", 90),
     ]
     for name, default in ints:
-        env = name.upper().replace("-", "_")
-        p.add_argument(f"--{name}", type=int, default=_env_int(env, default))
+        p.add_argument(f"--{name}", type=int, default=env.integer(name.upper().replace("-", "_"), default))
     p.add_argument("--waiting-served-ratio", type=float,
-                   default=float(_env("WAITING_SERVED_RATIO", "0.3") or 0.3))
-    p.add_argument("--hostname", default=_hostname_default())
-    p.add_argument("--shard-uds-path", default=_env("SHARD_UDS_PATH", "/tmp/text-generation-server"))
-    p.add_argument("--master-addr", default=_env("MASTER_ADDR", "localhost"))
-    p.add_argument("--api-key", default=_env("API_KEY", None))
+                   default=float(env.text("WAITING_SERVED_RATIO", "0.3") or 0.3))
+    p.add_argument("--hostname", default=env.hostname())
+    p.add_argument("--shard-uds-path", default=env.text("SHARD_UDS_PATH", "/tmp/text-generation-server"))
+    p.add_argument("--master-addr", default=env.text("MASTER_ADDR", "localhost"))
+    p.add_argument("--api-key", default=env.text("API_KEY", None))
     p.add_argument("--cors-allow-origin", action="append",
-                   default=[o for o in (_env("CORS_ALLOW_ORIGIN", "") or "").split(",") if o])
-    p.add_argument("--json-output", action="store_true", default=_env_flag("JSON_OUTPUT"))
+                   default=[o for o in (env.text("CORS_ALLOW_ORIGIN", "") or "").split(",") if o])
+    p.add_argument("--json-output", action="store_true", default=env.flag("JSON_OUTPUT"))
     p.add_argument("--disable-grammar-support", action="store_true",
-                   default=_env_flag("DISABLE_GRAMMAR_SUPPORT"))
+                   default=env.flag("DISABLE_GRAMMAR_SUPPORT"))
     p.add_argument("--enable-prefill-logprobs", action="store_true",
-                   default=_env_flag("ENABLE_PREFILL_LOGPROBS"))
-    p.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT", None))
-    p.add_argument("--otlp-service-name", default=_env("OTLP_SERVICE_NAME", "text-generation-inference.router"))
-    p.add_argument("--usage-stats", default=_env("USAGE_STATS", "on"), choices=["on", "off", "no-stack"])
-    p.add_argument("--huggingface-hub-cache", default=_env("HUGGINGFACE_HUB_CACHE", None))
-    p.add_argument("--watermark-gamma", type=float, default=_env_float("WATERMARK_GAMMA"))
-    p.add_argument("--watermark-delta", type=float, default=_env_float("WATERMARK_DELTA"))
-    p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None))
+                   default=env.flag("ENABLE_PREFILL_LOGPROBS"))
+    p.add_argument("--otlp-endpoint", default=env.text("OTLP_ENDPOINT", None))
+    p.add_argument("--otlp-service-name", default=env.text("OTLP_SERVICE_NAME", "text-generation-inference.router"))
+    p.add_argument("--usage-stats", default=env.text("USAGE_STATS", "on"), choices=["on", "off", "no-stack"])
+    p.add_argument("--huggingface-hub-cache", default=env.text("HUGGINGFACE_HUB_CACHE", None))
+    p.add_argument("--watermark-gamma", type=float, default=env.number("WATERMARK_GAMMA"))
+    p.add_argument("--watermark-delta", type=float, default=env.number("WATERMARK_DELTA"))
+    p.add_argument("--served-model-name", default=env.text("SERVED_MODEL_NAME", None))
     # Extensions of this fork, passed to the shard.
-    p.add_argument("--runner", default=_env("RUNNER", "auto"), choices=["auto", "fast", "transformers"])
-    p.add_argument("--layer-skip-mode", default=_env("LAYER_SKIP_MODE", "off"),
-                   choices=["off", "shadow", "lossy", "verified"])
-    p.add_argument("--layer-skip-policy", default=_env("LAYER_SKIP_POLICY", None))
-    p.add_argument("--layer-skip-on-bad-policy", default=_env("LAYER_SKIP_ON_BAD_POLICY", "exit"),
+    p.add_argument("--runner", default=env.text("RUNNER", "auto"), choices=["auto", "fast", "transformers"])
+    p.add_argument("--layer-skip-mode", default=env.text("LAYER_SKIP_MODE", LayerSkipMode.OFF.value),
+                   choices=LAYER_SKIP_MODES)
+    p.add_argument("--layer-skip-policy", default=env.text("LAYER_SKIP_POLICY", None))
+    p.add_argument("--layer-skip-on-bad-policy", default=env.text("LAYER_SKIP_ON_BAD_POLICY", "exit"),
                    choices=["exit", "off"])
     for flag in REFUSED:
         p.add_argument(flag, nargs="?", const="", default=None, help=argparse.SUPPRESS)
@@ -116,9 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 @dataclass(frozen=True)
 class LauncherArgs:
-    """Parsed flags; `ns` keeps every value under its argparse name."""
+    """Parsed flags; `ns` keeps every value under its argparse name, `env` the environment
+    they were read with (the children inherit it)."""
 
     ns: argparse.Namespace
+    env: LauncherEnv
 
     def __post_init__(self) -> None:
         a = self.ns
@@ -155,5 +129,7 @@ class LauncherArgs:
         return max(4096, (self.max_input_tokens or 0))
 
 
-def parse_args(argv: list[str] | None = None) -> LauncherArgs:
-    return LauncherArgs(build_parser().parse_args(argv))
+def parse_args(argv: list[str] | None = None, env: LauncherEnv | None = None) -> LauncherArgs:
+    """The flags in argv (default sys.argv), defaulted from env (default: this process's)."""
+    env = env or LauncherEnv.read()
+    return LauncherArgs(build_parser(env).parse_args(argv), env)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-from .events import LayerSkip
+from .events import LayerSkipReport
+from .layer_skip import LayerSkipMode
 
 DECISION_BUCKETS = tuple(1e-5 * 2**i for i in range(20))  # 10 us .. 5 s
 RATIO_BUCKETS = tuple(i / 10 for i in range(11))
@@ -66,14 +67,14 @@ class LayerSkipMetrics:
         )
 
     def set_policy(self, state: str, mode: str) -> None:
-        self.policy_loaded.labels(state=state or "none", mode=mode or "off").set(1)
+        self.policy_loaded.labels(state=state or "none", mode=mode or LayerSkipMode.OFF.value).set(1)
 
-    def observe_plan(self, report: LayerSkip) -> None:
+    def observe_plan(self, report: LayerSkipReport) -> None:
         self.plans.labels(mode=report.mode, rule=report.rule).inc()
         self.layers_skipped.observe(len(report.skipped_layers))
         self.decision_duration.observe(report.stats.get("decision_ms", 0.0) / 1000)
 
-    def observe_end(self, report: LayerSkip | None) -> int:
+    def observe_end(self, report: LayerSkipReport | None) -> int:
         """Shadow-check and drafting statistics of a finished request; returns its accepted drafts."""
         if report is not None and "shadow_consistency" in report.stats:
             self.consistency_ratio.set(report.stats["shadow_consistency"])
@@ -81,7 +82,7 @@ class LayerSkipMetrics:
             if total > self.rollbacks_seen:
                 self.rollbacks.inc(total - self.rollbacks_seen)
                 self.rollbacks_seen = total
-        if report is None or report.mode != "verified" or "drafted" not in report.stats:
+        if report is None or report.mode != LayerSkipMode.VERIFIED or "drafted" not in report.stats:
             return 0
         drafted, accepted = int(report.stats["drafted"]), int(report.stats["accepted"])
         self.drafted_tokens.inc(drafted)

@@ -1,4 +1,4 @@
-"""Prometheus series with upstream's names, labels and buckets (spec §4)."""
+"""Prometheus series with upstream's names, labels and buckets (docs/tgi-interface.md §4)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
-"""What the OpenAI-compatible routes share: parameter mapping and response envelopes (spec §2.5-2.6)."""
+"""What the OpenAI-compatible routes share: parameter mapping and response envelopes
+(docs/tgi-interface.md §2.5-2.6)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from text_generation_router import __version__
+from text_generation_router import __version__, sse
 from text_generation_router.errors import InferError
-from text_generation_router.infer import Generation, Timing
-from text_generation_router.schemas import GenerateParameters
+from text_generation_router.infer import FinishedGeneration
 from text_generation_router.state import AppState
 
 FINGERPRINT = f"{__version__}-native"
@@ -51,14 +51,12 @@ def now() -> int:
     return int(time.time())
 
 
-async def generate_one(state: AppState, prompt: str, p: GenerateParameters, timing: Timing,
-                       add_special_tokens: bool) -> Generation:
-    request = await state.infer.validate(prompt, p, add_special_tokens=add_special_tokens)
-    timing.validated = time.monotonic()
-    return await state.infer.generate(request, timing)
+def error_event(err: InferError) -> bytes:
+    """The OpenAI streams' error event, before their [DONE]; upstream writes 422 whatever the error."""
+    return sse.event({"error": {"message": err.message, "http_status_code": 422}})
 
 
-def logprobs_json(g: Generation) -> dict[str, Any]:
+def logprobs_json(g: FinishedGeneration) -> dict[str, Any]:
     content = []
     for n, t in enumerate(g.tokens):
         top = g.top_tokens[n] if n < len(g.top_tokens) else []

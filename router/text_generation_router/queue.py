@@ -1,4 +1,4 @@
-"""Waiting requests and the choice of the next batch under the token budgets (spec §1.5).
+"""Waiting requests and the choice of the next batch under the token budgets (docs/tgi-interface.md §1.5).
 
 Budget design note: with `requires_padding` the shard pads every prompt of a batch to the
 longest one, so a batch of n requests costs `n * max_input_len` prefill tokens and
@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from text_generation_router.events import ErrorEvent, InferEvent, LayerSkip
+from text_generation_router.events import ErrorEvent, InferEvent, LayerSkipReport
 from text_generation_router.validation import ValidRequest
 
 
@@ -30,7 +30,7 @@ class Entry:
     dropped: bool = False
     # Set by the batcher once the request has its last event (last token or error).
     done: bool = False
-    layer_skip: LayerSkip | None = None
+    layer_skip: LayerSkipReport | None = None
 
     def fail(self, kind: str, message: str) -> None:
         """End this request alone with an error event (see ErrorEvent for the kinds)."""

@@ -1,13 +1,12 @@
-"""JSON bodies and headers of the native routes (spec §2.3, §2.4, §2.9)."""
+"""JSON bodies and headers of the native routes (docs/tgi-interface.md §2.3, §2.4, §2.9)."""
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
-from text_generation_router.events import GeneratedText, LayerSkip, Token
-from text_generation_router.infer import Generation, Timing
+from text_generation_router.events import GeneratedText, LayerSkipReport, Token
+from text_generation_router.infer import FinishedGeneration, Timing
 
 
 def token_json(t: Token) -> dict[str, Any]:
@@ -18,18 +17,18 @@ def prefill_json(t: Token) -> dict[str, Any]:
     return {"id": t.id, "text": t.text, "logprob": t.logprob}
 
 
-def layer_skip_json(r: LayerSkip) -> dict[str, Any]:
+def layer_skip_json(r: LayerSkipReport) -> dict[str, Any]:
     return {
         "mode": r.mode, "skipped_layers": r.skipped_layers, "rule": r.rule,
         "max_score": r.max_score, "mean_score": r.mean_score, "stats": r.stats,
     }
 
 
-def full_text(g: Generation, return_full_text: bool) -> str:
+def full_text(g: FinishedGeneration, return_full_text: bool) -> str:
     return g.request.inputs + g.generated.text if return_full_text else g.generated.text
 
 
-def sequence_details(g: Generation) -> dict[str, Any]:
+def sequence_details(g: FinishedGeneration) -> dict[str, Any]:
     """The fields shared by `details` and `best_of_sequences` entries."""
     body: dict[str, Any] = {
         "finish_reason": g.generated.finish_reason,
@@ -44,7 +43,7 @@ def sequence_details(g: Generation) -> dict[str, Any]:
 
 
 def generate_json(
-    g: Generation, details: bool, return_full_text: bool, others: list[Generation]
+    g: FinishedGeneration, details: bool, return_full_text: bool, others: list[FinishedGeneration]
 ) -> dict[str, Any]:
     """GenerateResponse; `others` are the losing best_of sequences."""
     body: dict[str, Any] = {"generated_text": full_text(g, return_full_text)}
@@ -81,18 +80,16 @@ def stream_token_json(
     return body
 
 
-def compute_type() -> str:
-    return os.environ.get("COMPUTE_TYPE", "gpu+optimized")
-
-
-def generate_headers(g: Generation, timing: Timing, num_characters: int) -> dict[str, str]:
+def generate_headers(
+    g: FinishedGeneration, timing: Timing, num_characters: int, compute_type: str
+) -> dict[str, str]:
     """The x-* headers of a non-streaming answer (times in ms, compute time in s)."""
     now = time.monotonic()
     total_s = now - timing.started
     validation_s = timing.validated - timing.started
     n = max(g.generated.generated_tokens, 1)
     headers = {
-        "x-compute-type": compute_type(),
+        "x-compute-type": compute_type,
         "x-compute-time": f"{total_s}",
         "x-compute-characters": str(num_characters),
         "x-total-time": str(int(total_s * 1000)),
@@ -109,9 +106,9 @@ def generate_headers(g: Generation, timing: Timing, num_characters: int) -> dict
     return headers
 
 
-def stream_headers(num_characters: int) -> dict[str, str]:
+def stream_headers(num_characters: int, compute_type: str) -> dict[str, str]:
     return {
-        "x-compute-type": compute_type(),
+        "x-compute-type": compute_type,
         "x-compute-characters": str(num_characters),
         "X-Accel-Buffering": "no",
         "Cache-Control": "no-cache",

@@ -78,7 +78,7 @@ class GenerateRequest(BaseModel):
     add_special_tokens: Bool = True
 
     def effective_parameters(self) -> GenerateParameters:
-        """An absent `parameters` object means sampling (spec §8 gotcha 4)."""
+        """An absent `parameters` object means sampling (docs/tgi-interface.md §8 gotcha 4)."""
         if self.parameters is None:
             return GenerateParameters(do_sample=True)
         return self.parameters

@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, auth, CORS, error bodies (spec §2)."""
+"""The FastAPI application: routes, auth, CORS, error bodies (docs/tgi-interface.md §2)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from text_generation_router.chat import register_openai_routes
 from text_generation_router.client import ShardError
 from text_generation_router.cloud_routes import VertexRequest, register_cloud_routes
 from text_generation_router.connection import ClientGone, unless_disconnected
+from text_generation_router.dispatch import health_batch
 from text_generation_router.errors import InferError
 from text_generation_router.generate import generate_response, stream_response
 from text_generation_router.http_body import BodyError, read_json
 from text_generation_router.metrics import render
 from text_generation_router.openapi import body_route, json_ok, json_or_sse_ok, sse_ok
-from text_generation_router.pb import generate_pb2 as pb
 from text_generation_router.schemas import (
     ChatRequest,
     CompatGenerateRequest,
@@ -32,7 +32,6 @@ from text_generation_router.state import AppState
 
 PROTECTED = {"/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions",
              "/tokenize", "/invocations", "/vertex"}
-HEALTH_BATCH_ID = 2**64 - 1
 
 
 def build_app(state: AppState, batcher: Batcher) -> FastAPI:
@@ -98,23 +97,21 @@ def _register_native_routes(app: FastAPI, state: AppState) -> None:
     @app.post("/generate", openapi_extra=body_route(GenerateRequest, json_ok("GenerateResponse")))
     async def generate(request: Request) -> Response:
         req = await read_json(request, GenerateRequest, limit)
-        work = generate_response(state, req, default_full_text=False, as_list=False)
-        return await unless_disconnected(request, work)
+        return await generate_response(state, request, req, default_full_text=False, as_list=False)
 
     @app.post("/generate_stream", openapi_extra=body_route(GenerateRequest, sse_ok("StreamResponse events")))
     async def generate_stream(request: Request) -> Response:
         req = await read_json(request, GenerateRequest, limit)
-        return stream_response(state, req, default_full_text=False)
+        return stream_response(state, request, req, default_full_text=False)
 
     @app.post("/", openapi_extra=body_route(
         CompatGenerateRequest, json_or_sse_ok("[GenerateResponse], or StreamResponse events")))
     async def compat_generate(request: Request) -> Response:
         req = await read_json(request, CompatGenerateRequest, limit)
-        # return_full_text defaults to true for an unknown pipeline tag (spec §8.1).
+        # return_full_text defaults to true for an unknown pipeline tag (docs/tgi-interface.md §8 gotcha 1).
         if req.stream:
-            return stream_response(state, req, default_full_text=True)
-        work = generate_response(state, req, default_full_text=True, as_list=True)
-        return await unless_disconnected(request, work)
+            return stream_response(state, request, req, default_full_text=True)
+        return await generate_response(state, request, req, default_full_text=True, as_list=True)
 
     @app.post("/tokenize", openapi_extra=body_route(
         GenerateRequest, json_ok("Tokens with their offsets", {"type": "array", "items": {"type": "object"}})))
@@ -130,16 +127,7 @@ async def probe_health(state: AppState) -> bool:
         if state.health.generation_ok:
             await state.client.health()
             return True
-        request = pb.Request(
-            id=HEALTH_BATCH_ID, inputs="liveness", truncate=1, add_special_tokens=False,
-            input_chunks=pb.Input(chunks=[pb.InputChunk(text="liveness")]),
-            parameters=pb.NextTokenChooserParameters(temperature=1.0, top_p=1.0, typical_p=1.0,
-                                                     repetition_penalty=1.0),
-            stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=1),
-            blocks=[0], slots=[0],
-        )
-        batch = pb.Batch(id=HEALTH_BATCH_ID, requests=[request], size=1, max_tokens=2, max_blocks=1)
-        await state.client.prefill(batch)
+        await state.client.prefill(health_batch())
         state.health.generation_ok = True
         return True
     except ShardError:

@@ -1,4 +1,4 @@
-"""Server-sent events framing of spec §2.4: `data:<compact json>\\n\\n`, no space."""
+"""Server-sent events framing of docs/tgi-interface.md §2.4: `data:<compact json>\\n\\n`, no space."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from text_generation_router.batcher import Health
 from text_generation_router.client import ShardClient
 from text_generation_router.config import RouterConfig, ServingLimits
+from text_generation_router.env import RouterEnv
 from text_generation_router.handshake import ShardInfo
 from text_generation_router.infer import Infer
 from text_generation_router.metrics import Metrics
@@ -23,6 +24,7 @@ class AppState:
     infer: Infer
     metrics: Metrics
     health: Health
+    env: RouterEnv
 
     @property
     def model_id(self) -> str:

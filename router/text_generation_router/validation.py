@@ -1,4 +1,4 @@
-"""Request validation in upstream's order with its literal messages (spec §2.2).
+"""Request validation in upstream's order with its literal messages (docs/tgi-interface.md §2.2).
 
 A failed check raises ValidationError(message); the HTTP layer prefixes
 `Input validation error: ` and answers 422.
@@ -15,9 +15,9 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from text_generation_router.config import ServingLimits
+from text_generation_router.layer_skip import LAYER_SKIP_MODES
 from text_generation_router.schemas import GenerateParameters, Grammar
 
-LAYER_SKIP_MODES = ("off", "shadow", "lossy", "verified")
 GRAMMAR_TYPE_JSON, GRAMMAR_TYPE_REGEX = 1, 2  # proto GrammarType
 ANY_JSON_OBJECT = {"type": "object"}  # OpenAI's JSON mode: {"type": "json_object"} without a schema
 # Upstream serves at most this many new tokens per shard request and re-queues the rest.

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Optional
 import typer
 from loguru import logger
 
+from .layerskip import LayerSkipMode
+
 if TYPE_CHECKING:
     from .models.causal_lm import CausalLM
     from .models.skip_planner import LayerSkipConfig
@@ -125,7 +127,8 @@ def serve(
     otlp_service_name: str = "text-generation-inference.server",
     max_input_tokens: Optional[int] = None,  # noqa: UP045
     runner: str = typer.Option("auto", help="auto | fast | transformers (force the fallback)"),
-    layer_skip_mode: str = typer.Option("off", help="default layer-skip mode: off | shadow | lossy | verified"),
+    layer_skip_mode: str = typer.Option(LayerSkipMode.OFF.value,
+                                        help="default layer-skip mode: off | shadow | lossy | verified"),
     layer_skip_policy: Optional[str] = typer.Option(  # noqa: UP045
         None, help="layer-skip policy JSON file, or auto: the shipped policy whose fingerprints match the model"),
     layer_skip_on_bad_policy: str = typer.Option("exit", help="exit | off: what a refused policy does"),
@@ -135,15 +138,17 @@ def serve(
         None, help="roll back below this ratio (default: the policy's calibrated consistency)"),
 ) -> None:
     """Serve MODEL_ID over gRPC on the unix socket {uds_path}-{rank}."""
-    from .models.shadow_check import ShadowConfig
+    from .env import ShardEnv
+    from .models.audit_check import AuditConfig
     from .models.skip_planner import LayerSkipConfig
 
     setup_logging(logger_level, json_output)
     try:
+        env = ShardEnv.read()  # before the model loads: a bad value is refused at once
         model, config = _build(model_id, revision, sharded, quantize, speculate, dtype, kv_cache_dtype,
                                trust_remote_code, uds_path, max_input_tokens, runner,
                                LayerSkipConfig(layer_skip_mode, layer_skip_policy, layer_skip_on_bad_policy,
-                                               ShadowConfig(layer_skip_shadow_rate, layer_skip_shadow_window,
+                                               AuditConfig(layer_skip_shadow_rate, layer_skip_shadow_window,
                                                             layer_skip_consistency_target)))
     except ValueError as err:
         logger.error(str(err))
@@ -152,7 +157,7 @@ def serve(
         logger.warning(f"--otlp-endpoint {otlp_endpoint}: tracing export is not implemented; no spans are sent")
     from .server import serve_model
 
-    asyncio.run(serve_model(model, config))
+    asyncio.run(serve_model(model, config, env))
 
 
 def _build(model_id: str, revision: str | None, sharded: bool, quantize: Quantization | None,

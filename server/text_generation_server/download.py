@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from .env import HubEnv, process_env
 from .offline_gguf import ChunkedGguf, OfflineSource, PackagedGguf
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -51,24 +51,8 @@ OFFLINE_SOURCES: dict[str, OfflineSource] = {
 }
 
 
-def hub_cache_dir() -> Path:
-    """The hub cache folder: HUGGINGFACE_HUB_CACHE, HF_HUB_CACHE, HF_HOME/hub, or ~/.cache."""
-    for var in ("HUGGINGFACE_HUB_CACHE", "HF_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.environ[var])
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]) / "hub"
-    return Path.home() / ".cache" / "huggingface" / "hub"
-
-
-def prebuilt_cache_dir() -> Path | None:
-    """A read-only hub cache baked into an image (TGI_PREBUILT_HUB_CACHE), searched second."""
-    value = os.environ.get("TGI_PREBUILT_HUB_CACHE")
-    return Path(value) if value else None
-
-
 def _repo_dir(model_id: str, cache: Path | None = None) -> Path:
-    return (cache or hub_cache_dir()) / ("models--" + model_id.replace("/", "--"))
+    return (cache or process_env().hub.cache) / ("models--" + model_id.replace("/", "--"))
 
 
 def cached_snapshot(model_id: str, revision: str | None = None, cache: Path | None = None) -> Path | None:
@@ -148,18 +132,20 @@ def _convert_offline(model_id: str, source: OfflineSource, gguf_path: Path) -> P
 def _offline_help(model_id: str) -> str:
     ids = ", ".join(f"{mid} ({src.install_hint})" for mid, src in OFFLINE_SOURCES.items())
     return (
-        f"Model {model_id!r} is not a local folder, not in the hub cache ({hub_cache_dir()}) and could "
+        f"Model {model_id!r} is not a local folder, not in the hub cache ({process_env().hub.cache}) and could "
         f"not be downloaded (no network?). Ids that work offline: {ids}. To serve other weights, "
         f"pass the path of a local folder holding config.json, tokenizer files and *.safetensors."
     )
 
 
-def resolve_local(model_id: str, revision: str | None = None) -> Path | None:
-    """The local checkpoint folder of model_id if it is already available, else None."""
+def resolve_local(model_id: str, revision: str | None = None, hub: HubEnv | None = None) -> Path | None:
+    """The local checkpoint folder of model_id if it is already available, else None (`hub`:
+    the caches searched, default the process's)."""
     if Path(model_id).is_dir():
         return Path(model_id)
-    prebuilt = prebuilt_cache_dir()
-    return cached_snapshot(model_id, revision) or (prebuilt and cached_snapshot(model_id, revision, prebuilt))
+    hub = hub or process_env().hub
+    return (cached_snapshot(model_id, revision, hub.cache)
+            or (hub.prebuilt and cached_snapshot(model_id, revision, hub.prebuilt)))
 
 
 def download_weights(model_id: str, revision: str | None = None) -> Path:

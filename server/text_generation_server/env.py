@@ -1,4 +1,9 @@
-"""Environment variables the shard reads, in one typed place (read when serving starts).
+"""Environment variables the shard reads, in one typed place, each read once.
+
+ShardEnv is what serving reads; `serve` reads it before the model loads, so a bad value is
+refused before minutes of loading. ProcessEnv is what every command reads (serve,
+download-weights, build-kernels, layerskip): `process_env()` reads it on first use, which
+comes before any model loads, and keeps it for the process.
 
 Upstream's launcher always sets ATTENTION and PREFIX_CACHING; this backend accepts them (a
 padded backend has no paged attention, so they only shape the Info answer) and defaults them
@@ -7,8 +12,11 @@ when started by hand.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .watermark import DEFAULT_DELTA, DEFAULT_GAMMA, WatermarkConfig
 
@@ -24,22 +32,92 @@ class ShardEnv:
     watermark: WatermarkConfig = field(default_factory=WatermarkConfig)  # WATERMARK_GAMMA / WATERMARK_DELTA
 
     @classmethod
-    def read(cls) -> ShardEnv:
-        attention = os.environ.get("ATTENTION", "paged")
+    def read(cls, environ: Mapping[str, str] = os.environ) -> ShardEnv:
+        attention = environ.get("ATTENTION", "paged")
         if attention not in BLOCK_SIZES:
             raise ValueError(f"ATTENTION={attention!r} is not one of {', '.join(BLOCK_SIZES)}")
-        prefix = os.environ.get("PREFIX_CACHING", "0").lower() in ("1", "true")
-        watermark = WatermarkConfig(_float("WATERMARK_GAMMA", DEFAULT_GAMMA), _float("WATERMARK_DELTA", DEFAULT_DELTA))
-        return cls(attention, prefix, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
-                   watermark)
+        prefix = environ.get("PREFIX_CACHING", "0").lower() in ("1", "true")
+        watermark = WatermarkConfig(_float(environ, "WATERMARK_GAMMA", DEFAULT_GAMMA),
+                                    _float(environ, "WATERMARK_DELTA", DEFAULT_DELTA))
+        return cls(attention, prefix, int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1")), watermark)
 
     @property
     def block_size(self) -> int:
         return BLOCK_SIZES[self.attention]
 
 
-def _float(name: str, default: float) -> float:
-    value = os.environ.get(name, "")
+@dataclass(frozen=True)
+class HubEnv:
+    """Where download.py looks for checkpoints.
+
+    Attributes:
+        cache: the hub cache folder, in huggingface_hub's order: HUGGINGFACE_HUB_CACHE,
+            HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub.
+        prebuilt: TGI_PREBUILT_HUB_CACHE, a read-only hub cache baked into an image (searched second).
+    """
+
+    cache: Path
+    prebuilt: Path | None = None
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] = os.environ) -> HubEnv:
+        prebuilt = environ.get("TGI_PREBUILT_HUB_CACHE")
+        return cls(_hub_cache(environ), Path(prebuilt) if prebuilt else None)
+
+
+def _hub_cache(environ: Mapping[str, str]) -> Path:
+    for var in ("HUGGINGFACE_HUB_CACHE", "HF_HUB_CACHE"):
+        if environ.get(var):
+            return Path(environ[var])
+    if environ.get("HF_HOME"):
+        return Path(environ["HF_HOME"]) / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+@dataclass(frozen=True)
+class KernelEnv:
+    """How the fast runner's CPU kernels are chosen and built (cpu_kernels.py, kernel_build.py).
+
+    Attributes:
+        switch: TGI_CPU_KERNELS: "auto" (default), "off" or a variant name; cpu_kernels.choose
+            refuses any other value, naming it.
+        folder: TGI_KERNEL_DIR, where built variants live (default ~/.cache/tgi-kernels).
+        cxx: CXX, the C++ compiler (default c++).
+    """
+
+    switch: str
+    folder: Path
+    cxx: str
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] = os.environ) -> KernelEnv:
+        folder = Path(environ.get("TGI_KERNEL_DIR") or Path.home() / ".cache" / "tgi-kernels")
+        return cls(environ.get("TGI_CPU_KERNELS", "auto"), folder, environ.get("CXX", "c++"))
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    """What every command reads. policy_dir: TGI_POLICY_DIR, where `--layer-skip-policy auto`
+    looks (None: the repository's policies/, shipped_policies.py)."""
+
+    hub: HubEnv
+    kernels: KernelEnv
+    policy_dir: Path | None = None
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] = os.environ) -> ProcessEnv:
+        policy_dir = environ.get("TGI_POLICY_DIR")
+        return cls(HubEnv.read(environ), KernelEnv.read(environ), Path(policy_dir) if policy_dir else None)
+
+
+@functools.cache
+def process_env() -> ProcessEnv:
+    """This process's ProcessEnv, read once: later changes to os.environ are not seen."""
+    return ProcessEnv.read()
+
+
+def _float(environ: Mapping[str, str], name: str, default: float) -> float:
+    value = environ.get(name, "")
     if not value:
         return default
     try:

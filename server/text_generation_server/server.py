@@ -29,6 +29,7 @@ from .cache import Cache
 from .env import ShardEnv
 from .models.batch import CausalLMBatch
 from .models.causal_lm import CausalLM, Generation, TokenInfo
+from .models.skip_planner import PolicyState
 from .pb import generate_pb2, generate_pb2_grpc
 from .sampling import ChoiceContext
 
@@ -172,9 +173,9 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         for r in warmup_batch.requests:  # upstream's router warms up with watermark on: a dry run
             r.parameters.watermark = False
         batch = self._from_pb(warmup_batch)
-        padded_tokens = sum(g.num_rows * g.width for g in batch.groups)
+        padded_tokens = batch.padded_prompt_tokens()
         self.model.generate_token(batch)  # a dry run; the result is not cached
-        if self.model.planner.policy_state == "loaded":
+        if self.model.planner.policy_state == PolicyState.LOADED:
             cost = self.model.costs()
             logger.info(f"Verified-mode cost model: step {cost.step_s * 1000:.1f} ms, verify "
                         f"{[round(t * 1000, 1) for t in cost.verify_s]} ms, {cost.layer_s * 1000:.2f} ms/layer")
@@ -231,6 +232,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         asked for that, else the RPC fails naming it (upstream's behaviour).
         """
         generations, next_batch, timings = self.model.generate_token(batch)
+        logger.debug("Step of batch {}: plan {} ns, forward {} ns, choose {} ns, stop {} ns", batch.batch_id,
+                     timings.plan_ns, timings.forward_ns, timings.choose_ns, timings.stop_ns)
         self.cache.set(next_batch)
         failed = [g for g in generations if g.error is not None]
         if failed and not per_request_errors:
@@ -247,9 +250,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         return out
 
 
-async def serve_model(model: CausalLM, config: ServeConfig) -> None:
+async def serve_model(model: CausalLM, config: ServeConfig, env: ShardEnv) -> None:
     """Bind `{uds_path}-{rank}` once the model is loaded and serve until SIGINT/SIGTERM."""
-    env = ShardEnv.read()
     shutdown = asyncio.Event()
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2**31 - 1),
                                       ("grpc.max_send_message_length", 2**31 - 1)])

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from text_generation_server.download import resolve_local
+from text_generation_server.env import HubEnv
 
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -23,15 +22,13 @@ def make_snapshot(cache: Path, revision: str) -> Path:
     return snapshot
 
 
-def test_prebuilt_cache_is_searched_after_the_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prebuilt_cache_is_searched_after_the_hub_cache(tmp_path: Path) -> None:
     hub, prebuilt = tmp_path / "data", tmp_path / "opt-models"
     hub.mkdir()
     baked = make_snapshot(prebuilt, "baked")
-    monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", str(hub))
-    monkeypatch.delenv("TGI_PREBUILT_HUB_CACHE", raising=False)
-    assert resolve_local(MODEL_ID) is None
-    monkeypatch.setenv("TGI_PREBUILT_HUB_CACHE", str(prebuilt))
-    assert resolve_local(MODEL_ID) == baked
+    assert resolve_local(MODEL_ID, hub=HubEnv.read({"HUGGINGFACE_HUB_CACHE": str(hub)})) is None
+    caches = HubEnv.read({"HUGGINGFACE_HUB_CACHE": str(hub), "TGI_PREBUILT_HUB_CACHE": str(prebuilt)})
+    assert resolve_local(MODEL_ID, hub=caches) == baked
     # A checkpoint in the (writable) hub cache wins over the baked one.
     own = make_snapshot(hub, "own")
-    assert resolve_local(MODEL_ID) == own
+    assert resolve_local(MODEL_ID, hub=caches) == own

@@ -4,22 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
+from fastapi import Request
 
 from text_generation_router import sse
 from text_generation_router.config import RouterConfig, ServingLimits
-from text_generation_router.events import GeneratedText, LayerSkip, Token
-from text_generation_router.handshake import build_warmup_batch
-from text_generation_router.infer import Generation, Timing
-from text_generation_router.launcher import router_argv, shard_argv
+from text_generation_router.dispatch import build_warmup_batch
+from text_generation_router.env import LauncherEnv, RouterEnv
+from text_generation_router.errors import Overloaded, ValidationFailed
+from text_generation_router.events import GeneratedText, LayerSkipReport, Token
+from text_generation_router.generate import error_event
+from text_generation_router.infer import FinishedGeneration, Infer, Timing
+from text_generation_router.launcher import child_env, router_argv, shard_argv
 from text_generation_router.launcher_args import parse_args
+from text_generation_router.lifecycle import Lifecycle
 from text_generation_router.metrics import build_metrics, render
-from text_generation_router.queue import Budget, count_admissible
+from text_generation_router.queue import Budget, Queue, count_admissible
 from text_generation_router.responses import generate_headers, generate_json
 from text_generation_router.schemas import GenerateParameters
-from text_generation_router.validation import build_valid_request
+from text_generation_router.state import AppState
+from text_generation_router.tokenizer import Tokenizer
+from text_generation_router.validation import Limits, build_valid_request
 
 
 def test_sse_framing_is_compact_without_space() -> None:
@@ -84,16 +93,27 @@ def test_launcher_argv_follow_upstream_order() -> None:
     assert r[r.index("--waiting-served-ratio") + 1] == "0.3"
 
 
-def test_launcher_refuses_unsupported_flags_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launcher_refuses_unsupported_flags_by_name() -> None:
     with pytest.raises(ValueError, match=r"^--speculate 0: use a positive number"):
         parse_args(["--speculate", "0"])
     with pytest.raises(ValueError, match="exactly one shard"):
         parse_args(["--num-shard", "2"])
-    monkeypatch.setenv("MAX_BEST_OF", "3")
-    monkeypatch.setenv("HOSTNAME", "some-container-id")
-    args = parse_args([])
+    args = parse_args([], LauncherEnv.read({"MAX_BEST_OF": "3", "HOSTNAME": "some-container-id"}))
     assert args.ns.max_best_of == 3 and args.ns.hostname == "0.0.0.0"
     assert args.ns.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct" and args.ns.port == 3000
+
+
+def test_launcher_defaults_come_from_the_environment_it_was_given() -> None:
+    env = LauncherEnv.read({"HOSTNAME": "10.0.0.7", "PORT": "", "WATERMARK_GAMMA": "0.25", "JSON_OUTPUT": "yes",
+                            "CORS_ALLOW_ORIGIN": "a,b", "HF_API_TOKEN": "t", "LOG_LEVEL": "debug"})
+    args = parse_args([], env)
+    assert (args.ns.hostname, args.ns.port, args.ns.watermark_gamma) == ("10.0.0.7", 3000, 0.25)
+    assert args.ns.json_output and args.ns.cors_allow_origin == ["a", "b"]
+    child = child_env(args)
+    assert child["HF_TOKEN"] == "t" and child["WATERMARK_GAMMA"] == "0.25"
+    assert "LOG_LEVEL" not in child and "PATH" not in child  # the given environment, not os.environ
+    with pytest.raises(ValueError, match="^MAX_BEST_OF='many' is not an integer$"):
+        parse_args([], LauncherEnv.read({"MAX_BEST_OF": "many"}))
 
 
 def test_keep_alive_comments_and_cleanup_on_disconnect() -> None:
@@ -127,31 +147,31 @@ def test_keep_alive_comments_and_cleanup_on_disconnect() -> None:
 
 
 def test_layer_skip_report_in_details_and_headers() -> None:
-    skip = LayerSkip(mode="shadow", skipped_layers=[3, 7], rule="low-variance", max_score=0.5,
-                     mean_score=0.25, stats={"variance": 0.1})
+    skip = LayerSkipReport(mode="shadow", skipped_layers=[3, 7], rule="low-variance", max_score=0.5,
+                           mean_score=0.25, stats={"variance": 0.1})
     request = build_valid_request("hi", GenerateParameters(max_new_tokens=1), (8, 1, 1), ("", 0), True)
-    g = Generation(request=request, generated=GeneratedText("!", 1, "length", None),
-                   tokens=[Token(0, "!", -0.5, False)], layer_skip=skip)
+    g = FinishedGeneration(request=request, generated=GeneratedText("!", 1, "length", None),
+                           tokens=[Token(0, "!", -0.5, False)], layer_skip=skip)
     body = generate_json(g, details=True, return_full_text=False, others=[])
     assert body["details"]["layer_skip"] == {
         "mode": "shadow", "skipped_layers": [3, 7], "rule": "low-variance", "max_score": 0.5,
         "mean_score": 0.25, "stats": {"variance": 0.1},
     }
     assert "layer_skip" not in generate_json(g, details=False, return_full_text=False, others=[])
-    headers = generate_headers(g, Timing(), 2)
+    headers = generate_headers(g, Timing(), 2, RouterEnv().compute_type)
     assert headers["x-layer-skip-mode"] == "shadow" and headers["x-layers-skipped"] == "2"
 
 
 def test_layer_skip_metrics_follow_the_shard_reports() -> None:
     metrics = build_metrics(100, 200)
     skip = metrics.layer_skip
-    lossy = LayerSkip(mode="lossy", skipped_layers=[4, 7], rule="calm", max_score=0.1, mean_score=0.05,
-                      stats={"decision_ms": 0.2, "shadow_consistency": 0.5, "shadow_checks": 4, "rollbacks": 1})
+    lossy = LayerSkipReport(mode="lossy", skipped_layers=[4, 7], rule="calm", max_score=0.1, mean_score=0.05,
+                            stats={"decision_ms": 0.2, "shadow_consistency": 0.5, "shadow_checks": 4, "rollbacks": 1})
     skip.observe_plan(lossy)
     assert skip.observe_end(lossy) == 0
     skip.observe_end(lossy)  # the same total again: no second rollback
-    verified = LayerSkip(mode="verified", skipped_layers=[4], rule="default", max_score=0.0, mean_score=0.0,
-                         stats={"drafted": 10, "accepted": 6, "draft_length": 3, "auto_off": 1.0})
+    verified = LayerSkipReport(mode="verified", skipped_layers=[4], rule="default", max_score=0.0, mean_score=0.0,
+                               stats={"drafted": 10, "accepted": 6, "draft_length": 3, "auto_off": 1.0})
     assert skip.observe_end(verified) == 6
     text = render(metrics).decode()
     assert 'tgi_layer_skip_plans{mode="lossy",rule="calm"} 1.0' in text
@@ -159,3 +179,34 @@ def test_layer_skip_metrics_follow_the_shard_reports() -> None:
     assert "tgi_layer_skip_rollbacks 1.0" in text and "# TYPE tgi_layer_skip_rollbacks counter" in text
     assert "tgi_layer_skip_accepted_tokens 6.0" in text and "tgi_layer_skip_auto_off 1.0" in text
     assert "tgi_layer_skip_acceptance_ratio_sum 0.6" in text
+
+
+def _series(text: str, name: str) -> float:
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
+
+
+def test_lifecycle_counts_a_stream_once_whatever_its_end() -> None:
+    metrics = build_metrics(100, 200)
+    infer = Infer(cast(Tokenizer, None), Queue(), cast(Limits, None), metrics, 1, 1)
+    state = cast(AppState, SimpleNamespace(infer=infer, metrics=metrics, env=RouterEnv()))
+
+    async def tokens() -> AsyncGenerator[bytes, None]:
+        yield b"data:1\n\n"
+
+    async def refused() -> AsyncGenerator[bytes, None]:
+        raise ValidationFailed("no")
+        yield b""
+
+    async def body(events: Callable[[], AsyncGenerator[bytes, None]]) -> list[bytes]:
+        response = Lifecycle.start(state, cast(Request, None)).stream(events, error_event, 1, sse.DONE)
+        return [bytes(chunk) async for chunk in response.body_iterator]
+
+    assert asyncio.run(body(tokens)) == [b"data:1\n\n", sse.DONE]
+    assert asyncio.run(body(refused)) == [error_event(ValidationFailed("no")), sse.DONE]
+    infer.in_flight = 1  # the only slot is taken
+    assert asyncio.run(body(tokens)) == [error_event(Overloaded()), sse.DONE]
+    text = render(metrics).decode()
+    assert _series(text, "tgi_request_count") == 3 and _series(text, "tgi_request_success") == 1
+    assert _series(text, 'tgi_request_failure{err="validation"}') == 1
+    assert _series(text, 'tgi_request_failure{err="overloaded"}') == 1
+    assert _series(text, "tgi_request_duration_count") == 1

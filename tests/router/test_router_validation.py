@@ -1,4 +1,4 @@
-"""Validation order and upstream's literal messages (spec §2.2), on the pure check functions."""
+"""Validation order and upstream's literal messages (docs/tgi-interface.md §2.2), on the pure check functions."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,3 +55,14 @@ def real_positions(logits: torch.Tensor, prompts: list[list[int]]) -> torch.Tens
     """The prefill logits of real (not padding) positions, flattened to `[tokens, vocab]`."""
     longest = logits.shape[1]
     return torch.cat([logits[row, longest - len(p):] for row, p in enumerate(prompts)])
+
+
+def teacher_forced(fast: Stream, ref: Stream, ref_logits: torch.Tensor,
+                   steps: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Decode `steps` tokens in both streams, each fed the reference's greedy tokens (the first
+    from the reference's prefill logits `ref_logits`); yields (step, fast logits, reference logits)."""
+    next_ids = ref_logits[:, -1].argmax(-1)
+    for step in range(steps):
+        fast_step, ref_step = fast.step(next_ids), ref.step(next_ids)
+        yield step, fast_step, ref_step
+        next_ids = ref_step.argmax(-1)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from text_generation_server.env import process_env
 from text_generation_server.models.runner import cpu_kernels
 
 REASON = cpu_kernels.unavailable_reason()
@@ -186,20 +187,16 @@ def test_linear_usable_only_for_few_rows_of_a_supported_dtype() -> None:
     assert not cpu_kernels.linear_usable(torch.randn(1, 16), torch.randn(16, 8).T)
 
 
-def test_switch_off_and_bad_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "off")
-    assert cpu_kernels.unavailable_reason() == "TGI_CPU_KERNELS=off"
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "fast")
+def test_switch_off_and_bad_switch() -> None:
+    assert cpu_kernels.unavailable_reason("off") == "TGI_CPU_KERNELS=off"
     with pytest.raises(ValueError, match="TGI_CPU_KERNELS='fast' is not one of auto, off"):
-        cpu_kernels.unavailable_reason()
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "off")
-    assert cpu_kernels.load() is None
+        cpu_kernels.unavailable_reason("fast")
+    assert cpu_kernels.load("OFF") is None
 
 
 def test_build_folder_changes_with_the_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv(cpu_kernels.ENV_DIR, str(tmp_path))
     folder = cpu_kernels.build_dir()
-    assert folder.parent == tmp_path and folder.name.startswith(cpu_kernels.NAME)
+    assert folder.parent == process_env().kernels.folder and folder.name.startswith(cpu_kernels.NAME)
     changed = tmp_path / "changed.cpp"
     changed.write_text(cpu_kernels.SOURCE.read_text() + "\n// changed\n")
     monkeypatch.setattr(cpu_kernels, "SOURCE", changed)
@@ -207,7 +204,7 @@ def test_build_folder_changes_with_the_source(monkeypatch: pytest.MonkeyPatch, t
 
 
 def _load_in_subprocess(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """cpu_kernels.load() in a fresh process (load() is cached per process)."""
+    """cpu_kernels.load() in a fresh process (load() is cached per process, the env read once)."""
     code = ("from text_generation_server.models.runner import cpu_kernels as c\n"
             "print('LOADED' if c.load() is not None else 'FALLBACK')")
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
@@ -216,7 +213,7 @@ def _load_in_subprocess(env: dict[str, str]) -> subprocess.CompletedProcess[str]
 
 @needs_kernel
 def test_without_a_compiler_the_runner_falls_back_loudly(tmp_path: Path) -> None:
-    result = _load_in_subprocess({cpu_kernels.ENV_DIR: str(tmp_path / "empty"), "CXX": str(tmp_path / "no-c++")})
+    result = _load_in_subprocess({"TGI_KERNEL_DIR": str(tmp_path / "empty"), "CXX": str(tmp_path / "no-c++")})
     assert result.stdout.strip().endswith("FALLBACK"), result.stdout + result.stderr
     assert "CPU kernels unavailable (building cpu_kernels.cpp failed" in result.stderr
 
@@ -227,5 +224,5 @@ def test_a_prebuilt_folder_loads_without_a_compiler(tmp_path: Path) -> None:
     assert cpu_kernels.load() is not None
     built = cpu_kernels.build_dir()
     shutil.copytree(built, tmp_path / built.name)
-    result = _load_in_subprocess({cpu_kernels.ENV_DIR: str(tmp_path), "CXX": str(tmp_path / "no-c++")})
+    result = _load_in_subprocess({"TGI_KERNEL_DIR": str(tmp_path), "CXX": str(tmp_path / "no-c++")})
     assert result.stdout.strip().endswith("LOADED"), result.stdout + result.stderr

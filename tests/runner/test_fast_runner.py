@@ -46,7 +46,7 @@ from text_generation_server.models.runner import (
     cpu_kernels,
 )
 
-from .batching import Stream, real_positions
+from .batching import Stream, real_positions, teacher_forced
 
 FP32_TOLERANCE = 1e-4
 BF16_TOLERANCE = 1.0
@@ -86,13 +86,10 @@ def test_prefill_and_64_decode_steps_match_transformers(model: PreTrainedModel, 
     ref_stream, ref_logits = Stream.prefill(ref, prompts)
     diff = (real_positions(fast_logits, prompts) - real_positions(ref_logits, prompts)).abs().max()
     assert diff <= FP32_TOLERANCE, f"prefill logits differ by {diff}"
-    next_ids = ref_logits[:, -1].argmax(-1)
-    for step in range(64):
-        fast_step, ref_step = fast_stream.step(next_ids), ref_stream.step(next_ids)
+    for step, fast_step, ref_step in teacher_forced(fast_stream, ref_stream, ref_logits, 64):
         diff = (fast_step - ref_step).abs().max()
         assert diff <= FP32_TOLERANCE, f"decode step {step}: logits differ by {diff}"
         assert torch.equal(fast_step.argmax(-1), ref_step.argmax(-1)), f"greedy tokens differ at step {step}"
-        next_ids = ref_step.argmax(-1)
 
 
 def test_decode_beyond_the_kernels_row_limit(model: PreTrainedModel, prompts: list[list[int]]) -> None:
@@ -100,12 +97,9 @@ def test_decode_beyond_the_kernels_row_limit(model: PreTrainedModel, prompts: li
     many = [prompts[i % len(prompts)][: 3 + i] for i in range(cpu_kernels.MAX_ROWS + 2)]
     fast_stream, _ = Stream.prefill(build_runner(model, "fast"), many)
     ref_stream, ref_logits = Stream.prefill(TransformersRunner(model), many)
-    next_ids = ref_logits[:, -1].argmax(-1)
-    for step in range(4):
-        fast_step, ref_step = fast_stream.step(next_ids), ref_stream.step(next_ids)
+    for step, fast_step, ref_step in teacher_forced(fast_stream, ref_stream, ref_logits, 4):
         diff = (fast_step - ref_step).abs().max()
         assert diff <= FP32_TOLERANCE, f"decode step {step} of {len(many)} rows: logits differ by {diff}"
-        next_ids = ref_step.argmax(-1)
 
 
 def _verify(stream: Stream, drafts: torch.Tensor) -> torch.Tensor:
@@ -134,22 +128,17 @@ def test_multi_token_forwards_match_transformers(model: PreTrainedModel, prompts
         drafts = ref_logits.argmax(-1)  # the model's own next tokens: accepted drafts
 
 
-def test_forced_avx2_variant_matches_transformers(model: PreTrainedModel, prompts: list[list[int]],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_forced_avx2_variant_matches_transformers(model: PreTrainedModel, prompts: list[list[int]]) -> None:
     """TGI_CPU_KERNELS=avx2 runs the AVX2 variant on any CPU that has it (AVX-512 ones too)."""
     if cpu_kernels.BY_NAME["avx2"] not in cpu_kernels.runnable_variants():
         pytest.skip(f"this CPU cannot run the avx2 variant ({cpu_kernels.unavailable_reason()})")
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "avx2")
-    fast = FastLlamaRunner(model)
+    fast = FastLlamaRunner(model, FastRunnerConfig(kernel_switch="avx2"))
     assert fast.cpu_kernels == "avx2"
     fast_stream, _ = Stream.prefill(fast, prompts)
     ref_stream, ref_logits = Stream.prefill(TransformersRunner(model), prompts)
-    next_ids = ref_logits[:, -1].argmax(-1)
-    for step in range(8):
-        fast_step, ref_step = fast_stream.step(next_ids), ref_stream.step(next_ids)
+    for step, fast_step, ref_step in teacher_forced(fast_stream, ref_stream, ref_logits, 8):
         diff = (fast_step - ref_step).abs().max()
         assert diff <= FP32_TOLERANCE, f"avx2 decode step {step}: logits differ by {diff}"
-        next_ids = ref_step.argmax(-1)
 
 
 def test_filter_and_concatenate_match_transformers(model: PreTrainedModel, prompts: list[list[int]]) -> None:
@@ -227,13 +216,10 @@ def test_bf16_decode_steps_within_tolerance(model: PreTrainedModel, prompts: lis
     fast = FastLlamaRunner(model, FastRunnerConfig(dtype=torch.bfloat16))
     fast_stream, _ = Stream.prefill(fast, prompts)
     ref_stream, ref_logits = Stream.prefill(TransformersRunner(model), prompts)
-    next_ids = ref_logits[:, -1].argmax(-1)
     diffs, agree = [], []
-    for _ in range(32):  # teacher-forced by the fp32 reference's greedy tokens
-        fast_step, ref_step = fast_stream.step(next_ids), ref_stream.step(next_ids)
+    for _, fast_step, ref_step in teacher_forced(fast_stream, ref_stream, ref_logits, 32):  # by fp32's tokens
         diffs.append((fast_step - ref_step).abs().max())
         agree.append((fast_step.argmax(-1) == ref_step.argmax(-1)).float().mean())
-        next_ids = ref_step.argmax(-1)
     assert max(diffs) <= BF16_DECODE_TOLERANCE, f"bf16 decode logits differ from fp32 by up to {max(diffs)}"
     assert sum(agree) / len(agree) >= 0.95, f"bf16 decode greedy agreement with fp32 {sum(agree) / len(agree):.2f}"
 

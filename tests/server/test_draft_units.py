@@ -24,8 +24,15 @@ from text_generation_server.models.draft_control import (
 from text_generation_server.models.draft_head import DraftHeads
 from text_generation_server.models.ngram import lookup
 from text_generation_server.models.runner import FastLlamaRunner
-from text_generation_server.models.speculative import Proposal, SpecState, accept, copied_drafts, draft_token
-from text_generation_server.sampling import NextTokenChooser, SamplingParams
+from text_generation_server.models.speculative import SpecState
+from text_generation_server.sampling import (
+    NextTokenChooser,
+    Proposal,
+    SamplingParams,
+    accept,
+    copied_drafts,
+    draft_token,
+)
 from text_generation_server.stopping import StoppingCriteria
 
 

@@ -1,13 +1,10 @@
-"""Layer skipping in the shard: modes off, shadow and lossy, plan groups, policy refusal.
-
-In-process tests drive `CausalLM` directly (to count executed layers and measure KV bytes);
-the Info and refusal tests start real shard processes.
+"""Layer skipping in the shard, in-process: modes off, shadow and lossy, plan groups, the graceful
+bypass. The tests drive `CausalLM` directly (to count executed layers and measure KV bytes);
+integration-tests/server/test_layer_skip_process.py starts real shard processes (Info, refusal).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from text_generation_server.download import DEFAULT_MODEL_ID
 from text_generation_server.layerskip import (
     IdentityMap,
     Policy,
@@ -32,12 +28,8 @@ from text_generation_server.models.runner import build_runner
 from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner
 from text_generation_server.pb import generate_pb2
 
-from factories import make_batch, make_request
-from policies import SHORT_PROMPT_TOKENS, SIX_LAYERS, TWO_LAYERS, write_policy
-from shard_process import ShardProcess
-
-LONG_PROMPT = "Explain in a few sentences why the sky is blue during the day and red at sunset."
-SHORT_PROMPT = "Hello there"
+from factories import decode_in_process, make_batch, make_request
+from policies import LONG_PROMPT, SHORT_PROMPT, SHORT_PROMPT_TOKENS, SIX_LAYERS, TWO_LAYERS, write_policy
 
 
 @pytest.fixture(scope="module")
@@ -74,22 +66,9 @@ class LayerCounter:
 def run(lm: CausalLM, requests: list[generate_pb2.Request]) -> tuple[dict[int, list[int]], dict[int, list[float]],
                                                                      CausalLMBatch, dict[int, object]]:
     """Prefill and decode to completion in-process; returns token ids, logprobs, the last batch, reports."""
-    batch = CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers,
-                                  lm.eos_token_ids, 1000)
-    tokens: dict[int, list[int]] = {r.id: [] for r in requests}
-    logprobs: dict[int, list[float]] = {r.id: [] for r in requests}
-    reports: dict[int, object] = {}
-    current: CausalLMBatch | None = batch
-    last = batch
-    while current is not None:
-        last = current
-        generations, current, _ = lm.generate_token(current)
-        for g in generations:
-            tokens[g.request_id].extend(g.tokens.ids)
-            logprobs[g.request_id].extend(g.tokens.logprobs)
-            if g.layer_skip is not None:
-                reports[g.request_id] = g.layer_skip
-    return tokens, logprobs, last, reports
+    out = decode_in_process(lm, CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers,
+                                                      lm.eos_token_ids, 1000))
+    return out.tokens, out.logprobs, out.last, dict(out.reports)
 
 
 @pytest.fixture(scope="module")
@@ -177,54 +156,6 @@ def test_filter_and_concatenate_keep_groups_consistent(lossy_lm: CausalLM) -> No
     assert sorted(sorted(g.request_ids) for g in merged.groups) == [[1], [3]]
     generations, after, _ = lossy_lm.generate_token(merged)
     assert [g.request_id for g in generations] == [3, 1] and after is not None
-
-
-def _serve(*args: str) -> subprocess.CompletedProcess[str]:
-    binary = Path(sys.executable).parent / "text-generation-server"
-    return subprocess.run([str(binary), "serve", DEFAULT_MODEL_ID, "--uds-path", "/tmp/tgi-refused", *args],
-                          capture_output=True, text=True, timeout=300)
-
-
-def test_bad_policy_stops_the_shard_or_serves_with_skipping_off(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"schema_version": 99}')
-    refused = _serve("--layer-skip-mode", "lossy", "--layer-skip-policy", str(bad))
-    assert refused.returncode != 0
-    assert f"policy file {bad} is refused" in refused.stdout + refused.stderr
-
-    process = ShardProcess(DEFAULT_MODEL_ID, ["--layer-skip-mode", "lossy", "--layer-skip-policy", str(bad),
-                                              "--layer-skip-on-bad-policy", "off"])
-    try:
-        stub = process.wait_ready()
-        info = stub.Info(generate_pb2.InfoRequest())
-        assert (info.layer_skip_policy_state, info.layer_skip_mode) == ("refused", "off")
-        prefill = stub.Prefill(generate_pb2.PrefillRequest(batch=make_batch(1, [make_request(1, LONG_PROMPT, 1)])))
-        assert not prefill.generations[0].HasField("layer_skip")
-    finally:
-        process.stop()
-    assert "Serving with layer skipping OFF" in process.logs()
-
-
-def test_shard_reports_plans_over_grpc(policy_path: Path) -> None:
-    process = ShardProcess(DEFAULT_MODEL_ID, ["--layer-skip-mode", "shadow", "--layer-skip-policy", str(policy_path)])
-    try:
-        stub = process.wait_ready()
-        info = stub.Info(generate_pb2.InfoRequest())
-        assert (info.layer_skip_mode, info.layer_skip_policy_state, info.num_layers) == ("shadow", "loaded", 30)
-        lossy = make_request(2, LONG_PROMPT, 1)
-        lossy.layer_skip_mode = "lossy"
-        bogus = make_request(3, LONG_PROMPT, 1)
-        bogus.layer_skip_mode = "fastest"
-        batch = make_batch(1, [make_request(1, LONG_PROMPT, 1), lossy])
-        prefill = stub.Prefill(generate_pb2.PrefillRequest(batch=batch))
-        reports = {g.request_id: g.layer_skip for g in prefill.generations}
-        assert reports[1].mode == "shadow" and list(reports[1].skipped_layers) == sorted(SIX_LAYERS)
-        assert reports[2].mode == "lossy" and reports[2].rule == "default"
-        assert reports[1].stats["decision_ms"] > 0 and "num_tokens" in reports[1].stats
-        with pytest.raises(Exception, match="layer_skip mode 'fastest' is not one of off, shadow, lossy, verified"):
-            stub.Prefill(generate_pb2.PrefillRequest(batch=make_batch(2, [bogus])))
-    finally:
-        process.stop()
 
 
 def test_graceful_bypass_adds_the_policy_biases(model_path: Path, hf_model: torch.nn.Module, tmp_path: Path) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from text_generation_server.models.speculative import CostModel, Proposal, SpecState, accept, draft_token
-from text_generation_server.sampling import SamplingParams
+from text_generation_server.models.speculative import CostModel, SpecState
+from text_generation_server.sampling import Proposal, SamplingParams, accept, draft_token
 
 # Critical value of the chi-square distribution with 5 degrees of freedom at p = 0.001.
 CHI2_DF5_P001 = 20.515

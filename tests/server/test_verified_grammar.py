@@ -20,7 +20,7 @@ from text_generation_server.models.speculative import CostModel
 from text_generation_server.pb import generate_pb2
 from text_generation_server.sampling import ChoiceContext
 
-from factories import PERSON, PHONE, make_batch, make_request
+from factories import PERSON, PHONE, decode_in_process, make_batch, make_request
 from policies import SIX_LAYERS, write_policy
 from prompt_sets import chat_text
 
@@ -39,18 +39,10 @@ NEW_TOKENS = 40
 def generate(lm: CausalLM, requests: list[generate_pb2.Request]) -> tuple[dict[int, list[int]], int, int]:
     """Decode to completion in-process with grammars enabled; token ids, drafts proposed and kept."""
     choice = ChoiceContext(lm.grammar_compiler())
-    batch: CausalLMBatch | None = CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers,
-                                                        lm.eos_token_ids, 1000, choice)
-    tokens: dict[int, list[int]] = {r.id: [] for r in requests}
-    drafted = accepted = 0
-    while batch is not None:
-        generations, batch, _ = lm.generate_token(batch)
-        for g in generations:
-            tokens[g.request_id].extend(g.tokens.ids)
-            if g.generated_text is not None and g.layer_skip is not None and "drafted" in g.layer_skip.stats:
-                drafted += int(g.layer_skip.stats["drafted"])
-                accepted += int(g.layer_skip.stats["accepted"])
-    return tokens, drafted, accepted
+    out = decode_in_process(lm, CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers,
+                                                      lm.eos_token_ids, 1000, choice))
+    stats = [report.stats for report in out.reports.values() if "drafted" in report.stats]  # the last reports
+    return out.tokens, sum(int(s["drafted"]) for s in stats), sum(int(s["accepted"]) for s in stats)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from text_generation_server.models.loading import LoadConfig, load_model
 from text_generation_server.models.runner.kv_cache import KVCache
 from text_generation_server.models.speculative import MAX_DRAFT, MIN_CYCLES_BEFORE_AUTO_OFF, CostModel
 
-from factories import make_batch, make_request
+from factories import decode_in_process, make_batch, make_request
 from policies import SIX_LAYERS, write_policy
 from prompt_sets import ALL, chat_text
 
@@ -145,13 +145,8 @@ def test_stop_sequence_and_length_inside_an_accepted_run(fp32: Pair) -> None:
             for lm in (fp32.off, fp32.verified):
                 batch = CausalLMBatch.from_pb(make_batch(1, [make_request(1, prompt, max_new, **kwargs)]),  # type: ignore[arg-type]
                                               lm.tokenizer, 30, lm.eos_token_ids, 1000)
-                current: CausalLMBatch | None = batch
-                ids, final = [], None
-                while current is not None:
-                    generations, current, _ = lm.generate_token(current)
-                    ids.extend(generations[0].tokens.ids)
-                    final = generations[0].generated_text or final
-                outcomes.append((ids, final))
+                out = decode_in_process(lm, batch)
+                outcomes.append((out.tokens[1], out.finals.get(1)))
             assert outcomes[0] == outcomes[1], f"stop={kwargs} max_new_tokens={max_new}"
 
 

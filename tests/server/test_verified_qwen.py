@@ -33,23 +33,15 @@ from text_generation_server.models.shipped_policies import find_shipped_policy
 from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner
 from text_generation_server.pb import generate_pb2
 
-from factories import make_batch, make_request
+from factories import decode_in_process, make_batch, make_request
 
 
 def run(lm: CausalLM, requests: list[generate_pb2.Request]) -> tuple[dict[int, list[int]], None, None,
                                                                      dict[int, object]]:
     """Prefill and decode to completion in-process (prompts up to 4096 tokens: summarisation is ~1200)."""
-    current: CausalLMBatch | None = CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers,
-                                                          lm.eos_token_ids, 4096)
-    tokens: dict[int, list[int]] = {r.id: [] for r in requests}
-    reports: dict[int, object] = {}
-    while current is not None:
-        generations, current, _ = lm.generate_token(current)
-        for g in generations:
-            tokens[g.request_id].extend(g.tokens.ids)
-            if g.layer_skip is not None:
-                reports[g.request_id] = g.layer_skip
-    return tokens, None, None, reports
+    out = decode_in_process(lm, CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers,
+                                                      lm.eos_token_ids, 4096))
+    return out.tokens, None, None, dict(out.reports)
 
 MODEL_ID = os.environ.get("TGI_VERIFIED_MODEL", "Qwen/Qwen2.5-Coder-0.5B-Instruct")
 PER_CLASS = int(os.environ.get("TGI_VERIFIED_PER_CLASS", "1"))

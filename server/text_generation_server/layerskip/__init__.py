@@ -10,7 +10,7 @@ from .detector import FEATURES, DetectorConfig, DetectorScores, detect, detect_b
 from .draft import DraftSettings, DraftVocab
 from .fingerprint import FingerprintConfig, distance
 from .identity import DecoderLayers, IdentityMap, LayerIdentity, align, find_decoder_layers
-from .plan import MODES, SkipPlan
+from .plan import MODES, LayerSkipMode, SkipPlan
 from .policy import (
     AlignedPolicy,
     Calibration,
@@ -28,7 +28,7 @@ __all__ = [
     "FEATURES", "MODES", "AlignedPolicy", "Calibration", "Condition", "ConsistencyReport",
     "DecoderLayers", "DetectorConfig", "DetectorScores", "DraftSettings", "DraftVocab", "FingerprintConfig",
     "IdentityMap",
-    "LayerIdentity", "LayerRef", "Policy", "PolicyRule", "Rule", "RuleTable", "Scheduler",
+    "LayerIdentity", "LayerRef", "LayerSkipMode", "Policy", "PolicyRule", "Rule", "RuleTable", "Scheduler",
     "SkipPlan", "align", "align_policy", "bypassed", "detect", "detect_batch", "distance",
     "find_decoder_layers", "load_policy", "read_policy", "save_policy",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 
 from .detector import FEATURES, DetectorScores
 from .draft import DraftSettings
-from .plan import SkipPlan, check_mode
+from .plan import LayerSkipMode, SkipPlan, check_mode
 
 OPS: dict[str, Callable[[float, float], bool]] = {
     "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
@@ -112,7 +112,7 @@ class RuleTable:
     def decide(self, scores: DetectorScores, mode: str) -> SkipPlan:
         """The first matching rule's plan in `mode` ("off" always gives the empty plan)."""
         check_mode(mode)
-        if mode == "off":
+        if mode == LayerSkipMode.OFF:
             return SkipPlan.off()
         features = scores.as_dict()
         rule = next((r for r in self.rules if r.matches(features)), self.default)

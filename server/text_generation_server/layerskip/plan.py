@@ -4,14 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
 from .draft import DraftSettings
 
-MODES = ("off", "shadow", "lossy", "verified")
+
+class LayerSkipMode(StrEnum):
+    """A request's layer-skip mode. The values are the CLI's, the policy files' and the wire's;
+    being strings, members compare equal to them."""
+
+    OFF = "off"
+    SHADOW = "shadow"  # the plan is decided and reported; nothing is bypassed
+    LOSSY = "lossy"  # the plan's layers are bypassed in every forward
+    VERIFIED = "verified"  # bypassed in draft forwards only, then verified by the full model
+
+
+MODES = tuple(m.value for m in LayerSkipMode)
 # Modes in which the plan's layers are bypassed in the (draft) forward.
-APPLYING_MODES = ("lossy", "verified")
+APPLYING_MODES = (LayerSkipMode.LOSSY, LayerSkipMode.VERIFIED)
 
 
 def check_mode(mode: str) -> str:
@@ -37,7 +49,7 @@ class SkipPlan:
             calibrated acceptance); the default drafts with the full head.
     """
 
-    mode: str = "off"
+    mode: str = LayerSkipMode.OFF
     skipped: frozenset[int] = frozenset()
     rule: str = ""
     scores: Mapping[str, float] = field(default_factory=dict)
@@ -52,7 +64,7 @@ class SkipPlan:
             raise ValueError(f"skipped layers {negative} are negative; layer indices start at 0")
         if 0 in self.skipped and not self.allow_protected:
             raise ValueError("layer 0 is protected; only a policy with allow_protected may skip it")
-        if self.mode == "off" and self.skipped:
+        if self.mode == LayerSkipMode.OFF and self.skipped:
             raise ValueError(f"mode 'off' cannot carry skipped layers {sorted(self.skipped)}")
 
     @staticmethod

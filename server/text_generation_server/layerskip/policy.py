@@ -37,11 +37,11 @@ from .decider import Condition, Rule, RuleTable
 from .detector import DetectorConfig, DetectorScores
 from .draft import DraftSettings, DraftVocab
 from .identity import IdentityMap, align
-from .plan import SkipPlan
+from .plan import LayerSkipMode, SkipPlan
 
 SCHEMA_VERSION = 1
 BYPASS_KINDS = ("strict", "graceful")
-OBJECTIVES = ("lossy", "verified")
+OBJECTIVES = (LayerSkipMode.LOSSY, LayerSkipMode.VERIFIED)
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class Policy:
     calibration: Calibration | None = None
     sidecar: str | None = None
     schema_version: int = SCHEMA_VERSION
-    objective: str = "lossy"
+    objective: str = LayerSkipMode.LOSSY
     draft_vocab: DraftVocab | None = None
 
     def __post_init__(self) -> None:
@@ -180,7 +180,7 @@ class AlignedPolicy:
     source: str = "none"
     calibration: Calibration | None = None
     draft_vocab: DraftVocab | None = None
-    objective: str = "lossy"
+    objective: str = LayerSkipMode.LOSSY
 
     @staticmethod
     def no_skipping(num_layers: int, detector: DetectorConfig | None = None) -> AlignedPolicy:
@@ -220,7 +220,7 @@ def policy_from_json(data: Any) -> Policy:
             allow_protected=bool(data.get("allow_protected", False)),
             bypass=str(data.get("bypass", "strict")), sidecar=data.get("sidecar"),
             calibration=None if calibration is None else Calibration(**dict(calibration)),
-            objective=str(data.get("objective", "lossy")),
+            objective=str(data.get("objective", LayerSkipMode.LOSSY)),
             draft_vocab=None if data.get("draft_vocab") is None else DraftVocab.from_json(data["draft_vocab"]))
     except KeyError as err:
         raise ValueError(f"a required field is missing: {err}") from err

@@ -23,7 +23,7 @@ from .bypass import bypassed
 from .detector import DetectorScores, detect, detect_batch
 from .fingerprint import FingerprintConfig
 from .identity import DecoderLayers, IdentityMap, find_decoder_layers
-from .plan import SkipPlan, check_mode
+from .plan import LayerSkipMode, SkipPlan, check_mode
 from .policy import AlignedPolicy, align_policy, read_policy
 
 InputIds = torch.Tensor | Sequence[int] | np.ndarray
@@ -77,7 +77,7 @@ class Scheduler:
         self._returns_tuple: bool | None = None
 
     @classmethod
-    def from_model(cls, model: nn.Module, policy_path: str | Path | None = None, mode: str = "lossy",
+    def from_model(cls, model: nn.Module, policy_path: str | Path | None = None, mode: str = LayerSkipMode.LOSSY,
                    *, fingerprint: FingerprintConfig | None = None) -> Scheduler:
         """Find the decoder layers, fingerprint them, and align the policy (if any).
 

@@ -16,6 +16,8 @@ import torch
 import typer
 
 from ..download import DEFAULT_MODEL_ID
+from ..layerskip import LayerSkipMode
+from ..layerskip.policy import OBJECTIVES
 from .engine import Engine, ModelSpec
 from .output import note
 from .prompts import Prompt, PromptSet, default_prompts_path, read_prompts, select
@@ -162,7 +164,8 @@ def calibrate(model_id: ModelArg = DEFAULT_MODEL_ID,
               sweep_dir: Annotated[Path, typer.Option("--sweep-dir", help="Folder with sweep.json (lossy).")] = Path(
                   "reports/calibration"),
               prompts: PromptsOpt = None, quantize: QuantizeOpt = None, dtype: DtypeOpt = Dtype.float32,
-              objective: Annotated[str, typer.Option("--objective", help="lossy or verified.")] = "lossy",
+              objective: Annotated[str, typer.Option("--objective",
+                                                     help="lossy or verified.")] = LayerSkipMode.LOSSY.value,
               target: TargetOpt = 0.999, max_prompts: MaxPromptsOpt = None, new_tokens: NewTokensOpt = 16,
               threads: ThreadsOpt = None,
               profile_csv: Annotated[Path | None, typer.Option("--profile", help="verified: profile.csv ranking the "
@@ -186,10 +189,10 @@ def calibrate(model_id: ModelArg = DEFAULT_MODEL_ID,
     from .calibrate import calibrate as run_calibrate
 
     _setup(threads)
-    if objective not in ("lossy", "verified"):
+    if objective not in OBJECTIVES:
         raise typer.BadParameter(f"--objective {objective} is not known; use lossy or verified")
     prompt_set = _prompts(prompts)
-    if objective == "verified":
+    if objective == LayerSkipMode.VERIFIED:
         _calibrate_verified(model_id, out, prompt_set, quantize, dtype, profile_csv, skip_depths, vocab_sizes,
                             (per_class, per_class if heldout_per_class is None else heldout_per_class), new_tokens,
                             verify_cost, layer_order)
@@ -281,7 +284,7 @@ def verify(policy: Annotated[Path, typer.Argument(help="Policy file.")],
     spec = ModelSpec(model_id, quantize.value if quantize else None, dtype.value)
     engine = _load(spec)
     try:
-        scheduler = Scheduler.from_model(engine.model, policy, "lossy")
+        scheduler = Scheduler.from_model(engine.model, policy, LayerSkipMode.LOSSY)
     except ValueError as err:
         note(f"error: {err}")
         raise typer.Exit(2) from err

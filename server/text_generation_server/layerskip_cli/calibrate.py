@@ -20,6 +20,7 @@ from text_generation_server.layerskip import (
     Calibration,
     Condition,
     DetectorConfig,
+    LayerSkipMode,
     Policy,
     Rule,
     RuleTable,
@@ -69,10 +70,10 @@ def run_policy(engine: Engine, scheduler: Scheduler | None, table: RuleTable | N
     for prompt in progress(prompts, label):
         ids = prompt.render(engine.tokenizer)
         if scheduler is not None:
-            plan = scheduler.plan(ids, "lossy")
+            plan = scheduler.plan(ids, LayerSkipMode.LOSSY)
         else:
             assert table is not None, "run_policy needs a scheduler or a rule table"
-            plan = table.decide(detect(engine.embed(ids), DetectorConfig()), "lossy")
+            plan = table.decide(detect(engine.embed(ids), DetectorConfig()), LayerSkipMode.LOSSY)
         off = engine.greedy(ids, NO_SKIP, new_tokens)
         outcome = compare(engine, ids, off, plan.skipped)
         skip_tokens = off if not plan.skipped else engine.greedy(ids, plan.skipped, new_tokens)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from text_generation_server.layerskip import save_policy
+from text_generation_server.layerskip import LayerSkipMode, save_policy
 from text_generation_server.models.cost_model import CostModel
 
 from .engine import NO_SKIP, Engine
@@ -155,7 +155,7 @@ def calibrate_verified(engine: Engine, prompt_set: PromptSet, calibration: list[
     held_scored = score(held, skip_sets, config.sizes, vocab, cost) if held else None
     route = [(c, k) for c, k, _ in rules]
     evidence: dict[str, Any] = {
-        "objective": "verified", "verify_cost": config.verify_cost, "layer_order": order,
+        "objective": LayerSkipMode.VERIFIED.value, "verify_cost": config.verify_cost, "layer_order": order,
         "skip_sets": [sorted(s) for s in skip_sets], "vocab_sizes": list(config.sizes),
         "new_tokens": config.new_tokens, "cost_model": cost.to_json(), "draft_vocab_source": vocab.source,
         "default": {"skip": sorted(skip_sets[default[0]]), "vocab": default[1]},

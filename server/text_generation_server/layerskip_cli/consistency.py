@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from text_generation_server.layerskip import IdentityMap, Scheduler, align, distance
+from text_generation_server.layerskip import IdentityMap, LayerSkipMode, Scheduler, align, distance
 
 from .engine import NO_SKIP, Engine, ModelSpec, Skip, kl_divergence, teacher_forced
 from .output import markdown_table, note, progress, write_json
@@ -145,7 +145,7 @@ def run_variant(spec: ModelSpec, ref: Reference, policy: Path | None, include_pl
     policy_error = None
     if policy is not None:
         try:
-            scheduler = Scheduler.from_model(engine.model, policy, "lossy")
+            scheduler = Scheduler.from_model(engine.model, policy, LayerSkipMode.LOSSY)
         except ValueError as err:
             policy_error = str(err)
     rows = []
@@ -158,7 +158,7 @@ def run_variant(spec: ModelSpec, ref: Reference, policy: Path | None, include_pl
         if scheduler is None:
             row.update({"policy_aligned": False, "policy_error": policy_error})
         else:
-            skips = [scheduler.plan(ids, "lossy").skipped for ids in ref.ids]
+            skips = [scheduler.plan(ids, LayerSkipMode.LOSSY).skipped for ids in ref.ids]
             row["policy_aligned"] = True
             row["policy_layer_map"] = {str(k): v for k, v in scheduler.policy.layer_map.items()}
             note(f"consistency: {spec.label} with policy "

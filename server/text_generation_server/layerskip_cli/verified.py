@@ -34,6 +34,7 @@ from text_generation_server.layerskip import (
     Condition,
     DraftSettings,
     DraftVocab,
+    LayerSkipMode,
     Policy,
     Rule,
     RuleTable,
@@ -221,7 +222,7 @@ def build_policy(engine: Engine, table: RuleTable, vocab: DraftVocab, dataset: s
     calibration = Calibration(dataset=dataset, dataset_sha256=sha256, consistency=1.0, skip_rate=skip_rate,
                               date=datetime.date.today().isoformat())
     return Policy.from_table(engine.identity, table, calibration=calibration, detector=DetectorConfig(),
-                             objective="verified", draft_vocab=kept)
+                             objective=LayerSkipMode.VERIFIED, draft_vocab=kept)
 
 
 def detector_value(runs: list[PromptRun], scored: Scored, config: Config) -> dict[str, Any]:

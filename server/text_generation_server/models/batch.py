@@ -38,7 +38,7 @@ class RequestState:
     plan: SkipPlan | None = None  # decided once, at prefill
     decision_ms: float = 0.0
     spec: SpecState | None = None  # verified mode: acceptance and draft length
-    shadow_of: int | None = None  # an `off` twin of this lossy request id (never reported)
+    audit_of: int | None = None  # an `off` twin of this lossy request id (never reported)
     prefix_offset: int = 0
     read_offset: int = 0
     finished: bool = False
@@ -134,7 +134,7 @@ class CausalLMBatch:
     groups: list[PlanGroup]
     num_layers: int
     pad_id: int
-    max_tokens: int = 0
+    max_tokens: int = 0  # estimated once the rows are grouped (prefill), then after every change
 
     @classmethod
     def from_pb(
@@ -188,15 +188,13 @@ class CausalLMBatch:
     @classmethod
     def _new(cls, batch_id: int, requests: list[RequestState], tokenizer: PreTrainedTokenizerBase,
              num_layers: int) -> CausalLMBatch:
-        """Every row in one group; `regroup` splits it by plan before prefill."""
+        """A batch without groups: `form_groups` forms them once its requests' plans are known (prefill)."""
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        batch = cls(batch_id, requests, [], num_layers, pad_id)
-        batch.regroup({s.id: NO_SKIP for s in requests})
-        return batch
+        return cls(batch_id, requests, [], num_layers, pad_id)
 
-    def regroup(self, keys: dict[int, GroupKey]) -> None:
+    def form_groups(self, keys: dict[int, GroupKey]) -> None:
         """Before prefill: one group per distinct key, rows in batch order."""
-        assert not self.prefilled, "groups are formed once, before prefill"
+        assert not self.groups, "groups are formed once, before prefill"
         members: dict[GroupKey, list[RequestState]] = {}
         for state in self.requests:
             members.setdefault(keys[state.id], []).append(state)
@@ -207,8 +205,12 @@ class CausalLMBatch:
         ]
         self.max_tokens = self._estimate_max_tokens()
 
+    def padded_prompt_tokens(self) -> int:
+        """Tokens of the prompts left-padded to the longest, as one group (warmup's measure)."""
+        return len(self.requests) * max(s.input_length for s in self.requests)
+
     def to_pb(self) -> generate_pb2.CachedBatch:
-        ids = [s.id for s in self.requests if s.shadow_of is None]  # shadow twins stay internal
+        ids = [s.id for s in self.requests if s.audit_of is None]  # audit twins stay internal
         return generate_pb2.CachedBatch(id=self.batch_id, request_ids=ids, size=len(ids),
                                         max_tokens=self.max_tokens, current_tokens=len(ids))
 
@@ -220,20 +222,20 @@ class CausalLMBatch:
         """Keep exactly `request_ids`, in that order; groups left empty are dropped."""
         if not request_ids:
             raise ValueError(f"FilterBatch of batch {self.batch_id} with an empty request list")
-        by_id = {s.id: s for s in self.requests if s.shadow_of is None}
+        by_id = {s.id: s for s in self.requests if s.audit_of is None}
         missing = [rid for rid in request_ids if rid not in by_id]
         if missing:
             raise ValueError(f"request ids {missing} are not in batch {self.batch_id}")
         if len(set(request_ids)) != len(request_ids):
             raise ValueError(f"FilterBatch of batch {self.batch_id} lists a request twice: {request_ids}")
         kept = set(request_ids)
-        twins = [s for s in self.requests if s.shadow_of in kept]
+        twins = [s for s in self.requests if s.audit_of in kept]
         by_id.update((s.id, s) for s in twins)
         self._keep([*request_ids, *(s.id for s in twins)], by_id)
         return self
 
     def drop(self, request_ids: list[int]) -> None:
-        """Remove requests the shard itself retired (settled shadow twins)."""
+        """Remove requests the shard itself retired (settled audit twins)."""
         gone = set(request_ids)
         self._keep([s.id for s in self.requests if s.id not in gone], {s.id: s for s in self.requests})
 

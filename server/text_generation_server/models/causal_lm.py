@@ -1,14 +1,14 @@
 """CausalLM: one generation step over a cached batch.
 
-`generate_token` reads like the request path: plan (new requests) -> forward (one per plan
-group) -> choose tokens -> stop checks and generations -> advance the batch. Generations
-are plain dataclasses; the servicer turns them into protobuf.
+`generate_token` reads like the request path: plan (new requests' skip plans, each group's
+step) -> forward (every group) -> choose tokens (every group, which then advances) -> stop
+checks and generations, each stage timed apart (step_timing.py). Generations are plain
+dataclasses; the servicer turns them into protobuf.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -16,19 +16,20 @@ from transformers import PreTrainedTokenizerBase
 
 from ..detokenize import decode_token
 from ..grammar import GrammarCompiler
-from ..layerskip import SkipPlan
+from ..layerskip import LayerSkipMode, SkipPlan
 from ..sampling import top_n_tokens
 from ..stopping import FinishReason
+from .audit_check import add_twins, compare_twins
 from .batch import NO_SKIP, CausalLMBatch, RequestState
 from .cost_model import CostModel, DraftKey
 from .draft_control import DraftController, SpeculateConfig
 from .draft_head import DraftHeads
-from .group_step import RowStep, plain_step, verified_step
+from .group_step import GroupStep, PlainStep, RowStep, VerifiedStep
 from .plan_groups import GroupKey
 from .runner.base import Runner
-from .shadow_check import add_twins, compare_twins
-from .skip_planner import SkipPlanner
+from .skip_planner import PolicyState, SkipPlanner
 from .speculative import SpecState
+from .step_timing import Stage, StageClock, StepTimings
 
 
 @dataclass
@@ -58,12 +59,12 @@ class Generation:
     prefill_tokens: TokenInfo | None = None
     top_tokens: list[TokenInfo] = field(default_factory=list)
     generated_text: FinishedText | None = None
-    layer_skip: SkipReport | None = None
+    layer_skip: LayerSkipReport | None = None
     error: str | None = None  # this request failed alone in this step (it is finished, no tokens)
 
 
 @dataclass
-class SkipReport:
+class LayerSkipReport:
     """A request's plan, reported on its first and its last generation (when its mode is not off)."""
 
     mode: str
@@ -73,10 +74,10 @@ class SkipReport:
     stats: dict[str, float]
 
 
-def skip_report(state: RequestState) -> SkipReport | None:
+def layer_skip_report(state: RequestState) -> LayerSkipReport | None:
     """The request's plan, with its decision time and (verified mode) drafting statistics."""
     plan = state.plan
-    if plan is None or plan.mode == "off":
+    if plan is None or plan.mode == LayerSkipMode.OFF:
         return None
     stats = {"decision_ms": state.decision_ms}
     spec = state.spec
@@ -86,13 +87,7 @@ def skip_report(state: RequestState) -> SkipReport | None:
                      auto_off=float(spec.auto_off), ngram_drafted=spec.ngram.drafted,
                      ngram_accepted=spec.ngram.accepted, model_drafted=spec.model.drafted,
                      model_accepted=spec.model.accepted, draft_vocab=spec.vocab)
-    return SkipReport(plan.mode, sorted(plan.skipped), plan.rule, dict(plan.scores), stats)
-
-
-@dataclass
-class StepTimings:
-    forward_ns: int
-    decode_ns: int
+    return LayerSkipReport(plan.mode, sorted(plan.skipped), plan.rule, dict(plan.scores), stats)
 
 
 class CausalLM:
@@ -137,23 +132,28 @@ class CausalLM:
 
         As upstream's router reads it: up to this many tokens beyond one per step (KV columns).
         """
-        possible = (self.speculation.ngram_for_all or self.planner.policy_state == "loaded"
-                    or self.planner.mode == "verified")
+        possible = (self.speculation.ngram_for_all or self.planner.policy_state == PolicyState.LOADED
+                    or self.planner.mode == LayerSkipMode.VERIFIED)
         return self.speculation.max_draft if possible else 0
 
     def generate_token(self, batch: CausalLMBatch) -> tuple[list[Generation], CausalLMBatch | None, StepTimings]:
         """Run one step; returns the generations, the batch to cache (None if all stopped) and timings."""
-        start = time.perf_counter_ns()
-        if not batch.prefilled:
-            self.plan(batch)
-        steps = self.run_groups(batch)  # request id -> its tokens of this step
-        forward_done = time.perf_counter_ns()
-        generations = self.generations(batch, steps)
-        self.adapt_drafting(batch, steps)
-        generations = self.check_shadows(batch, generations)
+        clock = StageClock()
+        with clock.stage(Stage.PLAN):
+            if not batch.prefilled:
+                self.plan(batch)
+            group_steps = self.group_steps(batch)
+        with clock.stage(Stage.FORWARD):
+            for group_step in group_steps:
+                group_step.forward(clock)
+        with clock.stage(Stage.CHOOSE):
+            steps = {rid: row for group_step in group_steps for rid, row in group_step.choose().items()}
+        with clock.stage(Stage.STOP):
+            generations = self.generations(batch, steps)
+            self.adapt_drafting(batch, steps)
+            generations = self.check_audit_twins(batch, generations)
         alive = any(not s.finished for s in batch.requests)
-        timings = StepTimings(forward_done - start, time.perf_counter_ns() - forward_done)
-        return generations, (batch if alive else None), timings
+        return generations, (batch if alive else None), clock.timings()
 
     def plan(self, batch: CausalLMBatch) -> None:
         """Decide each request's SkipPlan and group the batch's rows by the layers they skip."""
@@ -162,40 +162,43 @@ class CausalLM:
             plan = state.plan = self.planner.plan(state)
             plan.check_layers(self.runner.num_layers)
             state.spec = self.speculation_for(plan)
-            if plan.mode == "verified":  # verification runs the full model: every layer keeps its cache
+            if plan.mode == LayerSkipMode.VERIFIED:  # verification runs the full model: every layer keeps its cache
                 keys[state.id] = (frozenset(), state.spec.skip if state.spec is not None else frozenset())
             else:
                 keys[state.id] = (plan.applied, frozenset())
         if self.planner.monitor is not None:
             add_twins(batch, self.planner.monitor)
-            keys.update((s.id, NO_SKIP) for s in batch.requests if s.shadow_of is not None)
-        batch.regroup(keys)
+            keys.update((s.id, NO_SKIP) for s in batch.requests if s.audit_of is not None)
+        batch.form_groups(keys)
 
     def speculation_for(self, plan: SkipPlan) -> SpecState | None:
         """A new request's drafters: verified plans draft with their rule's draft model (unless the
         rule's drafting is switched off) and n-gram copies; with --speculate, off and shadow
         requests draft n-gram copies too. None: plain decoding."""
-        if self.speculate == 0 or plan.mode == "lossy":
+        if self.speculate == 0 or plan.mode == LayerSkipMode.LOSSY:
             return None
-        if plan.mode == "verified":
+        if plan.mode == LayerSkipMode.VERIFIED:
             admitted = bool(plan.skipped) and self.controller.admits(plan.rule, plan.draft.acceptance)
             return SpecState(rule=plan.rule, skip=plan.skipped if admitted else frozenset(), vocab=plan.draft.vocab)
         return SpecState(rule=plan.rule) if self.speculation.ngram_for_all else None
 
-    def run_groups(self, batch: CausalLMBatch) -> dict[int, RowStep]:
-        """One step per plan group: a plain forward, or a draft-verify cycle where rows speculate."""
+    def group_steps(self, batch: CausalLMBatch) -> list[GroupStep]:
+        """One step per plan group: a plain forward, or a draft-verify cycle where rows speculate.
+
+        Groups hold disjoint requests, so every group's step is planned before any forward
+        runs, and every forward before any choice, with the same tokens as one group at a time."""
         by_id = {s.id: s for s in batch.requests}
-        steps: dict[int, RowStep] = {}
+        out: list[GroupStep] = []
         for group in batch.groups:
             states = [by_id[rid] for rid in group.request_ids]
             if group.cache.length and any(s.spec is not None for s in states):
                 cycle = self.controller.plan_cycle(states, group.draft_skip)
                 if cycle.drafts_anything:
                     head = self.heads.get(cycle.vocab) if cycle.model_k else None
-                    steps.update(verified_step(self.runner, group, states, cycle, self.planner.biases, head))
+                    out.append(VerifiedStep(self.runner, group, states, cycle, self.planner.biases, head))
                     continue
-            steps.update(plain_step(self.runner, group, states, self.planner.biases))
-        return steps
+            out.append(PlainStep(self.runner, group, states, self.planner.biases))
+        return out
 
     def adapt_drafting(self, batch: CausalLMBatch, steps: dict[int, RowStep]) -> None:
         """Count each drafting row's cycle (request and rule); move requests whose model drafting
@@ -211,12 +214,12 @@ class CausalLM:
         if stop_drafting:
             batch.move(stop_drafting, NO_SKIP)
 
-    def check_shadows(self, batch: CausalLMBatch, generations: list[Generation]) -> list[Generation]:
-        """Hide the shadow twins' generations, settle their comparisons, report the window."""
+    def check_audit_twins(self, batch: CausalLMBatch, generations: list[Generation]) -> list[Generation]:
+        """Hide the audit twins' generations, settle their comparisons, report the window."""
         monitor = self.planner.monitor
         if monitor is None:
             return generations
-        twins = {s.id for s in batch.requests if s.shadow_of is not None}
+        twins = {s.id for s in batch.requests if s.audit_of is not None}
         if twins and compare_twins(batch, monitor):
             self.planner.roll_back()
         shown = [g for g in generations if g.request_id not in twins]
@@ -275,7 +278,7 @@ class CausalLM:
                     str(self.tokenizer.decode(state.generated_ids, skip_special_tokens=True)),
                     len(state.generated_ids), reason, params.seed if params.sampling else None)
                 break
-        report = skip_report(state) if first_step or finished is not None else None
+        report = layer_skip_report(state) if first_step or finished is not None else None
         return Generation(state.id, tokens, prefill, top, finished, report)
 
     def prefill_tokens(self, state: RequestState, logits: torch.Tensor) -> TokenInfo:

@@ -65,37 +65,37 @@ class PlanGroup:
         """Columns in the cache plus pending (the padded length a forward sees)."""
         return self.attention_mask.shape[1] + self.pending_ids.shape[1]
 
-    def filter(self, keep_ids: list[int]) -> None:
-        """Keep the rows of `keep_ids` (in that order); trims columns that became all padding.
+    def select(self, ids: list[int], key: GroupKey | None = None) -> PlanGroup:
+        """A new group of the rows of `ids` (in that order), with `key` (default: this group's),
+        trimmed of the columns that became all padding; this group is left as it was.
 
         A row's masked columns need not be contiguous (verified mode masks the rejected draft
         columns of a row in place), so the trim keeps everything from the leftmost real token
         of any kept row.
         """
         position = {rid: row for row, rid in enumerate(self.request_ids)}
-        rows = [position[rid] for rid in keep_ids]
-        if rows == list(range(self.num_rows)):
-            return
+        rows = [position[rid] for rid in ids]
         index = torch.tensor(rows, dtype=torch.long)
         mask = self.attention_mask.index_select(0, index)
         used = mask.any(0).nonzero()
         new_length = mask.shape[1] - int(used.min()) if self.cache.length and used.numel() else 0
-        self.cache.filter(rows, new_length)
-        self.attention_mask = mask[:, mask.shape[1] - new_length:]
-        self.pending_ids = self.pending_ids.index_select(0, index)
-        self.pending_mask = self.pending_mask.index_select(0, index)
-        self.request_ids = list(keep_ids)
+        skip, draft_skip = key or self.key
+        return PlanGroup(skip, list(ids), self.cache.select(rows, new_length), mask[:, mask.shape[1] - new_length:],
+                         self.pending_ids.index_select(0, index), self.pending_mask.index_select(0, index), draft_skip)
+
+    def filter(self, keep_ids: list[int]) -> None:
+        """Keep the rows of `keep_ids` (in that order), as `select` does, in place."""
+        if keep_ids == self.request_ids:
+            return
+        kept = self.select(keep_ids)
+        self.request_ids, self.cache, self.attention_mask = kept.request_ids, kept.cache, kept.attention_mask
+        self.pending_ids, self.pending_mask = kept.pending_ids, kept.pending_mask
 
     def split(self, move_ids: list[int], key: GroupKey) -> PlanGroup:
         """Take the rows of `move_ids` out into a new group with `key` (same cache layers)."""
         moving = set(move_ids)
-        keep_ids = [rid for rid in self.request_ids if rid not in moving]
-        moved = PlanGroup(key[0], list(self.request_ids), KVCache(self.cache.num_rows, self.cache.num_layers,
-                                                                  self.cache.length, list(self.cache.keys),
-                                                                  list(self.cache.values)),
-                          self.attention_mask, self.pending_ids, self.pending_mask, key[1])
-        moved.filter(move_ids)
-        self.filter(keep_ids)
+        moved = self.select(move_ids, key)
+        self.filter([rid for rid in self.request_ids if rid not in moving])
         return moved
 
     @classmethod
@@ -127,3 +127,34 @@ class PlanGroup:
         self.attention_mask = torch.cat([self.attention_mask, self.pending_mask], 1)
         self.pending_ids = torch.tensor(next_ids, dtype=torch.long).unsqueeze(1)
         self.pending_mask = torch.ones((len(next_ids), 1), dtype=torch.long)
+
+    def discard_drafts(self) -> None:
+        """After draft forwards: their columns leave the cache, which ends where the mask does."""
+        self.cache.crop(self.attention_mask.shape[1])
+
+    def verify_inputs(self, drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, position_ids, attention_mask) of a verification forward: each row's
+        pending token then its drafts, right-padded to the longest (`accept_drafts` masks the
+        padding out with the rejected drafts)."""
+        width = max(len(d) for d in drafts)
+        assert width > 0, "a cycle without drafts is a plain step"
+        padded = [d + [0] * (width - len(d)) for d in drafts]
+        ids = torch.cat([self.pending_ids, torch.tensor(padded, dtype=torch.long).view(self.num_rows, width)], 1)
+        mask = torch.cat([self.attention_mask, torch.ones((self.num_rows, width + 1), dtype=torch.long)], 1)
+        positions = (mask.cumsum(1) - 1)[:, -(width + 1):]
+        return ids, positions, mask
+
+    def accept_drafts(self, kept: list[int], next_ids: list[int]) -> None:
+        """After a verification forward: row r keeps its pending token and its first `kept[r]`
+        drafts; the columns of its other drafts are masked, those no row kept are cropped, and
+        `next_ids` (each row's last accepted token) are pending."""
+        start = self.attention_mask.shape[1]
+        verified = self.cache.length - start  # the pending token and the (padded) drafts
+        mask = torch.cat([self.attention_mask, torch.ones((self.num_rows, verified), dtype=torch.long)], 1)
+        for row, k in enumerate(kept):
+            mask[row, start + 1 + k:] = 0
+        keep = start + 1 + max(kept)
+        self.cache.crop(keep)
+        self.attention_mask = mask[:, :keep]
+        self.pending_ids = torch.tensor([[t] for t in next_ids], dtype=torch.long)
+        self.pending_mask = torch.ones((self.num_rows, 1), dtype=torch.long)

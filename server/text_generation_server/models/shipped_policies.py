@@ -10,22 +10,20 @@ that copies the policies to another place).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from loguru import logger
 from torch import nn
 
+from ..env import process_env
 from ..layerskip import IdentityMap, align_policy, read_policy
 
 AUTO = "auto"
-ENV_DIR = "TGI_POLICY_DIR"
 
 
 def policy_dir() -> Path:
     """TGI_POLICY_DIR, else the repository's policies/ (next to server/)."""
-    configured = os.environ.get(ENV_DIR)
-    return Path(configured) if configured else Path(__file__).resolve().parents[3] / "policies"
+    return process_env().policy_dir or Path(__file__).resolve().parents[3] / "policies"
 
 
 def candidates(folder: Path) -> list[Path]:

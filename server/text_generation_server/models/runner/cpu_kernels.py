@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
-import os
 import platform
 import sys
 from dataclasses import dataclass
@@ -40,11 +39,11 @@ from typing import Protocol
 import torch
 from loguru import logger
 
+from ...env import process_env
 from . import kernel_build
 
 SOURCE = kernel_build.BINDINGS
-ENV_SWITCH = "TGI_CPU_KERNELS"  # "auto" (default), "off", or a variant name
-ENV_DIR = "TGI_KERNEL_DIR"
+ENV_SWITCH = "TGI_CPU_KERNELS"  # "auto" (default), "off", or a variant name (env.KernelEnv.switch)
 NAME = kernel_build.NAME
 MAX_ROWS = 16  # kMaxRows in kernels/kernels.h
 DTYPES = (torch.float32, torch.bfloat16)
@@ -161,14 +160,18 @@ def choose(switch: str, flags: set[str], machine: str) -> Variant | str:
     return f"the CPU lacks {', '.join(missing)} (the least the kernels need: AVX2, FMA, F16C)"
 
 
-def chosen() -> Variant | str:
-    """The variant this process uses (from TGI_CPU_KERNELS and the CPU), or why none."""
-    return choose(os.environ.get(ENV_SWITCH, "auto"), cpu_flags(), platform.machine())
+def _switch(switch: str | None) -> str:
+    return process_env().kernels.switch if switch is None else switch
 
 
-def unavailable_reason() -> str | None:
+def chosen(switch: str | None = None) -> Variant | str:
+    """The variant for a TGI_CPU_KERNELS value (default: this process's) on this CPU, or why none."""
+    return choose(_switch(switch), cpu_flags(), platform.machine())
+
+
+def unavailable_reason(switch: str | None = None) -> str | None:
     """Why the kernels cannot be used here, or None when a variant can be built and run."""
-    choice = chosen()
+    choice = chosen(switch)
     return choice if isinstance(choice, str) else None
 
 
@@ -184,8 +187,7 @@ def build_dir() -> Path:
     parts += [SOURCE.read_text(), *kernel_build.common_flags(), *kernel_build.link_flags(), torch.__version__,
               sys.version, *(f"{v.name}:{' '.join(v.compiler_flags)}" for v in VARIANTS)]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    root = Path(os.environ.get(ENV_DIR) or Path.home() / ".cache" / "tgi-kernels")
-    return root / f"{NAME}-{key}"
+    return process_env().kernels.folder / f"{NAME}-{key}"
 
 
 def build(variants: tuple[Variant, ...] = VARIANTS) -> Path:
@@ -229,9 +231,10 @@ def _load(switch: str) -> CpuOps | None:
     return None
 
 
-def load() -> CpuOps | None:
-    """The kernels of the variant TGI_CPU_KERNELS and the CPU choose, or None (the reason is logged once)."""
-    return _load(os.environ.get(ENV_SWITCH, "auto").lower())
+def load(switch: str | None = None) -> CpuOps | None:
+    """The kernels of the variant a TGI_CPU_KERNELS value (default: this process's) and the CPU
+    choose, or None (the reason is logged once)."""
+    return _load(_switch(switch).lower())
 
 
 def linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:

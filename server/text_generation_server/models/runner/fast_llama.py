@@ -57,6 +57,8 @@ class FastRunnerConfig:
         kernels: use the compiled CPU kernels where the CPU has them (cpu_kernels.py: the best
             ISA variant it runs); False keeps every op in torch (benchmarks compare both). Not
             combined with compile, whose graphs call torch.
+        kernel_switch: a TGI_CPU_KERNELS value for this runner alone (tests and benchmarks force
+            the avx2 variant on AVX-512 CPUs this way); None takes the process's.
         int8_head: read the lm_head as weight-only int8 (absmax scales per block of 64 weights,
             llama.cpp's Q8_0 idea; quantized here from the loaded weights) on the kernels: 1.06
             bytes per weight instead of 4 (fp32) or 2 (bf16), at the cost of that rounding in
@@ -66,6 +68,7 @@ class FastRunnerConfig:
     dtype: torch.dtype | None = None
     compile: bool = False
     kernels: bool = True
+    kernel_switch: str | None = None
     int8_head: bool = False
 
     def __post_init__(self) -> None:
@@ -223,7 +226,7 @@ class FastLlamaRunner:
         self.layers: list[LayerWeights] = [read_layer(layer, self.spec, self.dtype) for layer in model.model.layers]
         # The kernels take float32 and bfloat16 (dense or bitsandbytes); decided here once, not per op.
         use_kernels = config.kernels and not config.compile and self.dtype in cpu_kernels.DTYPES
-        ops = cpu_kernels.load() if use_kernels else None
+        ops = cpu_kernels.load(config.kernel_switch) if use_kernels else None
         self.cpu_kernels = ops.variant if ops is not None else "none"
         if ops is not None:
             refusals: dict[str, str] = {}

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
+from ...env import process_env
+
 NAME = "tgi_cpu_kernels"  # the Python module name every variant's .so defines
 HERE = Path(__file__).parent
 BINDINGS = HERE / "cpu_kernels.cpp"
@@ -40,7 +42,7 @@ def sources() -> list[Path]:
 
 def compiler() -> str:
     """The C++ compiler ($CXX, else c++), or a RuntimeError that says how to get one."""
-    name = os.environ.get("CXX", "c++")
+    name = process_env().kernels.cxx
     path = shutil.which(name)
     if path is None:
         raise RuntimeError(f"no C++ compiler: {name!r} (from $CXX, default c++) is not on PATH; install g++ "

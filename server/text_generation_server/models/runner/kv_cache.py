@@ -82,11 +82,13 @@ class KVCache:
         """Count n more filled columns (after all layers appended n columns)."""
         self.length += n
 
-    def filter(self, rows: list[int], new_length: int) -> None:
-        """Keep `rows` (in that order) and only the last `new_length` columns."""
+    def select(self, rows: list[int], new_length: int) -> KVCache:
+        """A new cache of `rows` (in that order) and the last `new_length` columns, in buffers of
+        its own; this cache is left as it was."""
         assert 0 <= new_length <= self.length, f"cannot keep {new_length} of {self.length} columns"
         index = torch.tensor(rows, dtype=torch.long)
         start = self.length - new_length
+        out = KVCache(num_rows=len(rows), num_layers=self.num_layers, length=new_length)
         for i in range(self.num_layers):
             k, v = self.keys[i], self.values[i]
             if k is None or v is None:
@@ -96,9 +98,13 @@ class KVCache:
             new_v = v.new_zeros((len(rows), v.shape[1], capacity, v.shape[3]))
             new_k[:, :, :new_length] = k.index_select(0, index)[:, :, start : self.length]
             new_v[:, :, :new_length] = v.index_select(0, index)[:, :, start : self.length]
-            self.keys[i], self.values[i] = new_k, new_v
-        self.num_rows = len(rows)
-        self.length = new_length
+            out.keys[i], out.values[i] = new_k, new_v
+        return out
+
+    def filter(self, rows: list[int], new_length: int) -> None:
+        """Keep `rows` (in that order) and only the last `new_length` columns, in place."""
+        kept = self.select(rows, new_length)
+        self.num_rows, self.length, self.keys, self.values = kept.num_rows, kept.length, kept.keys, kept.values
 
     def crop(self, length: int) -> None:
         """Forget the columns from `length` on (speculative drafts that were rejected)."""

@@ -4,26 +4,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from service_process import free_port, wait_healthy
 
 STARTUP_TIMEOUT_S = 240
 # Small limits keep warmup (one prefill of max_batch_prefill_tokens) short on 2 cores.
 SMALL_LIMITS = ["--max-input-tokens", "256", "--max-total-tokens", "512",
                 "--max-batch-prefill-tokens", "512"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -70,15 +62,9 @@ def start_launcher(extra: list[str], name: str) -> Launcher:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     launcher = Launcher(proc, port, uds, log_path, prometheus_port)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"launcher exited with {proc.returncode}:\n{launcher.log()[-4000:]}")
-        try:
-            if httpx.get(f"{launcher.url}/health", timeout=2).status_code == 200:
-                return launcher
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    launcher.stop()
-    raise RuntimeError(f"launcher not ready after {STARTUP_TIMEOUT_S}s:\n{launcher.log()[-4000:]}")
+    try:
+        wait_healthy(proc, launcher.url, log_path, STARTUP_TIMEOUT_S)
+    except RuntimeError:
+        launcher.stop()
+        raise
+    return launcher

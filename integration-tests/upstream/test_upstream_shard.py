@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,18 +18,14 @@ from upstream_shard import POLICY_LAYERS, UpstreamShard, generate, launch, start
 
 from text_generation_server.pb import generate_pb2 as pb
 
+from service_process import free_port, wait_healthy
+
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village"]
 MAX_NEW_TOKENS = 8
 
 
 def read_report(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_our_router_drives_upstreams_unpatched_shard(unpatched_shard: UpstreamShard, model_path: str,
@@ -47,16 +41,7 @@ def test_our_router_drives_upstreams_unpatched_shard(unpatched_shard: UpstreamSh
         router = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:  # ServiceDiscovery, ClearCache, Info, Warmup happen before /health answers
-            assert router.poll() is None, log.read_text(errors="replace")[-4000:]
-            assert time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        wait_healthy(router, url, log, 300)  # ServiceDiscovery, ClearCache, Info, Warmup happen before /health answers
         body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": MAX_NEW_TOKENS, "details": True}}
         response = httpx.post(f"{url}/generate", json=body, timeout=300)  # Prefill + Decode
         assert response.status_code == 200, response.text
@@ -71,18 +56,25 @@ def test_our_router_drives_upstreams_unpatched_shard(unpatched_shard: UpstreamSh
         router.wait(timeout=60)
 
 
-def test_shadow_plans_and_reports_but_tokens_equal_unpatched(unpatched_shard: UpstreamShard, upstream_python: Path,
-                                                             model_path: str, policy: Path, work_dir: Path) -> None:
-    report = work_dir / "shadow.jsonl"
-    shard = start_shard(upstream_python, model_path, work_dir / "shadow", {
-        "TGI_LAYER_SKIP_MODE": "shadow", "TGI_LAYER_SKIP_POLICY": str(policy), "TGI_LAYER_SKIP_REPORT": str(report)})
+def generate_patched(upstream_python: Path, model_path: str, policy: Path, work_dir: Path,
+                     mode: str) -> tuple[dict[int, list[int]], list[dict[str, object]], UpstreamShard]:
+    """PROMPTS on a patched shard in `mode` with `policy`: greedy tokens, its report's records, the
+    (stopped) shard."""
+    report = work_dir / f"{mode}.jsonl"
+    shard = start_shard(upstream_python, model_path, work_dir / mode, {
+        "TGI_LAYER_SKIP_MODE": mode, "TGI_LAYER_SKIP_POLICY": str(policy), "TGI_LAYER_SKIP_REPORT": str(report)})
     try:
-        shadow = generate(shard, PROMPTS, MAX_NEW_TOKENS)
+        tokens = generate(shard, PROMPTS, MAX_NEW_TOKENS)
     finally:
         shard.stop()
+    return tokens, read_report(report), shard
+
+
+def test_shadow_plans_and_reports_but_tokens_equal_unpatched(unpatched_shard: UpstreamShard, upstream_python: Path,
+                                                             model_path: str, policy: Path, work_dir: Path) -> None:
+    shadow, records, shard = generate_patched(upstream_python, model_path, policy, work_dir, "shadow")
     unpatched = generate(unpatched_shard, PROMPTS, MAX_NEW_TOKENS)
     assert shadow == unpatched
-    records = read_report(report)
     plans = [r for r in records if r["event"] == "plan"]
     assert [(r["mode"], r["skipped_layers"], r["applied_layers"]) for r in plans] == [("shadow", POLICY_LAYERS, [])] * 2
     finished = [r for r in records if r["event"] == "finished"]
@@ -92,14 +84,7 @@ def test_shadow_plans_and_reports_but_tokens_equal_unpatched(unpatched_shard: Up
 
 def test_lossy_bypasses_the_policys_layers(unpatched_shard: UpstreamShard, upstream_python: Path, model_path: str,
                                            policy: Path, work_dir: Path) -> None:
-    report = work_dir / "lossy.jsonl"
-    shard = start_shard(upstream_python, model_path, work_dir / "lossy", {
-        "TGI_LAYER_SKIP_MODE": "lossy", "TGI_LAYER_SKIP_POLICY": str(policy), "TGI_LAYER_SKIP_REPORT": str(report)})
-    try:
-        lossy = generate(shard, PROMPTS, MAX_NEW_TOKENS)
-    finally:
-        shard.stop()
-    records = read_report(report)
+    lossy, records, _ = generate_patched(upstream_python, model_path, policy, work_dir, "lossy")
     plans = [r for r in records if r["event"] == "plan"]
     assert [(r["mode"], r["rule"], r["applied_layers"]) for r in plans] == [("lossy", "mid-layers", POLICY_LAYERS)] * 2
     finished = {r["request_id"]: r for r in records if r["event"] == "finished"}

@@ -3,7 +3,8 @@
 The policy is honest about its evidence: it skips six layers only for prompts of under 8
 tokens, so on its calibration prompts (long ones) it never fires and its measured
 consistency is 1.0. Served on short prompts, where skipping six layers changes the output,
-the shadow checks catch the drift and the shard rolls back.
+the shadow checks catch the drift and the shard rolls back. The monitor's own arithmetic is
+checked in-process by tests/server/test_audit_units.py.
 """
 
 from __future__ import annotations
@@ -11,16 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_layer_skip_shard import LONG_PROMPT
 
 from text_generation_server.download import DEFAULT_MODEL_ID
 from text_generation_server.layerskip import Calibration, Condition, IdentityMap, Policy, Rule, RuleTable, save_policy
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
-from text_generation_server.models.shadow_check import ShadowConfig, ShadowMonitor
 from text_generation_server.pb import generate_pb2
 
 from factories import make_batch, make_request
-from policies import SIX_LAYERS
+from policies import LONG_PROMPT, SIX_LAYERS
 from prompt_sets import LONG, chat_text
 from shard_process import ShardProcess
 
@@ -40,16 +39,6 @@ def drifting_policy(model_path: Path, tmp_path_factory: pytest.TempPathFactory) 
                        tmp_path_factory.mktemp("drift") / "policy.json")
 
 
-def test_monitor_window_and_rate() -> None:
-    monitor = ShadowMonitor(ShadowConfig(rate=0.5, window=3), target=0.7)
-    assert [monitor.should_shadow() for _ in range(4)] == [False, True, False, True]
-    assert not monitor.record(True) and not monitor.record(False)  # window not full yet
-    assert monitor.record(False)  # 1/3 < 0.7
-    assert monitor.rollbacks == 1
-    with pytest.raises(ValueError, match="--layer-skip-shadow-rate 1.5 must be within"):
-        ShadowConfig(rate=1.5)
-
-
 def test_forced_drift_rolls_back_to_off(drifting_policy: Path) -> None:
     process = ShardProcess(DEFAULT_MODEL_ID, ["--layer-skip-mode", "lossy", "--layer-skip-policy", str(drifting_policy),
                                               "--layer-skip-shadow-rate", "1.0", "--layer-skip-shadow-window", "4"])
@@ -63,7 +52,7 @@ def test_forced_drift_rolls_back_to_off(drifting_policy: Path) -> None:
             cached = response.batch if response.HasField("batch") else None
             final = response.generations[0]
             while cached is not None:
-                assert list(cached.request_ids) == [i]  # the shadow twin never shows
+                assert list(cached.request_ids) == [i]  # the audit twin never shows
                 step = stub.Decode(generate_pb2.DecodeRequest(batches=[cached]))
                 assert [g.request_id for g in step.generations] == [i]
                 final = step.generations[0]

@@ -5,37 +5,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
-import pytest
+
+from service_process import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL_TIMEOUT_S = 900
 STARTUP_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"launcher exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"launcher not healthy after {STARTUP_TIMEOUT_S} s:\n{log.read_text(errors='replace')[-4000:]}")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -71,7 +50,7 @@ def test_install_script_yields_a_launcher_that_serves_the_default_model(tmp_path
                                 start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, url, log)
+        wait_healthy(proc, url, log, STARTUP_TIMEOUT_S)
         response = httpx.post(f"{url}/generate", timeout=120, json={
             "inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}})
         assert response.status_code == 200, response.text

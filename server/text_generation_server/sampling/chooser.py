@@ -1,4 +1,4 @@
-"""Token choice: logits processors, warpers and the seeded sampler, one request at a time.
+"""One request's token choice: logits processors, warpers and the seeded sampler.
 
 Order (as upstream TGI): watermark -> repetition penalty -> frequency penalty -> grammar mask
 -> warpers (temperature, top_k, top_p, typical_p) -> log-softmax. Sampling happens when `do_sample` is set or any
@@ -11,12 +11,13 @@ distribution; top-n alternatives come from the unwarped log-softmax.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
-from .watermark import WatermarkConfig, apply_watermark
+from ..grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
+from ..watermark import WatermarkConfig, apply_watermark
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,30 @@ class NextTokenChooser:
         """The request keeps `token_id`: the grammar advances over it."""
         if self.grammar is not None:
             self.grammar.accept(token_id)
+
+
+def choose_tokens(last: torch.Tensor, choosers: Sequence[NextTokenChooser],
+                  histories: Sequence[list[int]]) -> list[tuple[int, float]]:
+    """(token, logprob) per row of `last` `[rows, vocab]`, each token kept (grammars advance).
+
+    One batched argmax serves the plain-greedy rows (identical to their chooser's argmax, far
+    cheaper than one call per row); every other row goes through its chooser (watermark,
+    penalties, grammar, warpers, sampling) with `histories[row]`, its prompt and generated tokens.
+    """
+    plain = [row for row, c in enumerate(choosers) if c.is_plain_greedy]
+    choices: dict[int, tuple[int, float]] = {}
+    if plain:
+        logprobs = last[plain].log_softmax(-1)  # [plain rows, vocab]
+        ids = logprobs.argmax(-1)
+        values = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+        choices.update(zip(plain, zip(ids.tolist(), values, strict=True), strict=True))
+    for row, (chooser, history) in enumerate(zip(choosers, histories, strict=True)):
+        if row not in choices:
+            choices[row] = chooser(last[row], torch.tensor(history))
+    chosen = [choices[row] for row in range(len(choosers))]
+    for chooser, (token, _) in zip(choosers, chosen, strict=True):
+        chooser.accept(token)
+    return chosen
 
 
 def top_n_tokens(logprobs: torch.Tensor, n: int) -> tuple[list[int], list[float]]:

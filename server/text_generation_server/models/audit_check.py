@@ -1,4 +1,8 @@
-"""Online shadow checks for `lossy`: measured consistency in production, automatic rollback.
+"""Online audit checks of `lossy`: measured consistency in production, automatic rollback.
+
+(Not the `shadow` mode, which decides and reports a plan but bypasses nothing. The CLI flags
+and the reported statistics keep their upstream-facing names: --layer-skip-shadow-rate,
+--layer-skip-shadow-window, `shadow_consistency`, `shadow_checks`.)
 
 Design note: a fraction of greedy lossy requests (every n-th, deterministic) gets a hidden
 twin: the same prompt and parameters in mode `off`, added to the same batch. Twins run in
@@ -16,15 +20,15 @@ from dataclasses import dataclass, replace
 
 from loguru import logger
 
-from ..layerskip import SkipPlan
+from ..layerskip import LayerSkipMode, SkipPlan
 from ..sampling import NextTokenChooser
 from .batch import CausalLMBatch, RequestState
 
-SHADOW_ID_BASE = 1 << 63  # twin request ids: never produced by a router (ids count up from 0)
+AUDIT_ID_BASE = 1 << 63  # twin request ids: never produced by a router (ids count up from 0)
 
 
 @dataclass(frozen=True)
-class ShadowConfig:
+class AuditConfig:
     """Attributes:
     rate: fraction of greedy lossy requests that get an `off` twin (0 disables the checks).
     window: how many recent comparisons the consistency ratio covers.
@@ -45,17 +49,17 @@ class ShadowConfig:
             raise ValueError(f"--layer-skip-consistency-target {self.target} must be within [0, 1]")
 
 
-class ShadowMonitor:
-    """Chooses which requests to shadow and keeps the consistency window."""
+class AuditMonitor:
+    """Chooses which requests get an audit twin and keeps the consistency window."""
 
-    def __init__(self, config: ShadowConfig, target: float) -> None:
+    def __init__(self, config: AuditConfig, target: float) -> None:
         self.config = config
         self.target = target
         self.results: deque[bool] = deque(maxlen=config.window)
         self.seen = 0
         self.rollbacks = 0
 
-    def should_shadow(self) -> bool:
+    def should_audit(self) -> bool:
         """Every round(1 / rate)-th eligible request (deterministic, so tests and operators can reason)."""
         if self.config.rate <= 0:
             return False
@@ -78,32 +82,33 @@ class ShadowMonitor:
         return True
 
 
-def add_twins(batch: CausalLMBatch, monitor: ShadowMonitor) -> None:
+def add_twins(batch: CausalLMBatch, monitor: AuditMonitor) -> None:
     """Before grouping: give the chosen greedy lossy requests an `off` twin in the same batch."""
     for state in list(batch.requests):
         plan = state.plan
         constrained = state.chooser.grammar is not None or state.chooser.watermark is not None
-        if plan is None or plan.mode != "lossy" or not plan.applied or state.chooser.params.sampling or constrained:
+        lossy = plan is not None and plan.mode == LayerSkipMode.LOSSY and bool(plan.applied)
+        if not lossy or state.chooser.params.sampling or constrained:
             continue
-        if not monitor.should_shadow():
+        if not monitor.should_audit():
             continue
         twin = RequestState(
-            id=SHADOW_ID_BASE + state.id, all_ids=list(state.all_ids), input_length=state.input_length,
+            id=AUDIT_ID_BASE + state.id, all_ids=list(state.all_ids), input_length=state.input_length,
             chooser=NextTokenChooser(state.chooser.params),
             stopping=replace(state.stopping, num_generated=0, tail=""),
-            plan=SkipPlan.off(), shadow_of=state.id,
+            plan=SkipPlan.off(), audit_of=state.id,
             prefix_offset=state.prefix_offset, read_offset=state.read_offset,
         )
         batch.requests.append(twin)
 
 
-def compare_twins(batch: CausalLMBatch, monitor: ShadowMonitor) -> bool:
+def compare_twins(batch: CausalLMBatch, monitor: AuditMonitor) -> bool:
     """After a step: settle the twins whose outcome is known; True when that triggers a rollback."""
     by_id = {s.id: s for s in batch.requests}
     settled: list[int] = []
     rollback = False
-    for twin in [s for s in batch.requests if s.shadow_of is not None]:
-        primary = by_id.get(twin.shadow_of)  # type: ignore[arg-type]
+    for twin in [s for s in batch.requests if s.audit_of is not None]:
+        primary = by_id.get(twin.audit_of)  # type: ignore[arg-type]
         if primary is None:  # the router filtered the primary away (cancelled): no verdict
             settled.append(twin.id)
             continue
