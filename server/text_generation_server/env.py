@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from .watermark import DEFAULT_DELTA, DEFAULT_GAMMA, WatermarkConfig
+
+T = TypeVar("T")
 
 BLOCK_SIZES = {"paged": 16, "flashdecoding": 256, "flashinfer": 1, "flashdecoding-ipex": 64}
 
@@ -39,7 +42,7 @@ class ShardEnv:
         prefix = environ.get("PREFIX_CACHING", "0").lower() in ("1", "true")
         watermark = WatermarkConfig(_float(environ, "WATERMARK_GAMMA", DEFAULT_GAMMA),
                                     _float(environ, "WATERMARK_DELTA", DEFAULT_DELTA))
-        return cls(attention, prefix, int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1")), watermark)
+        return cls(attention, prefix, _int(environ, "RANK", 0), _int(environ, "WORLD_SIZE", 1), watermark)
 
     @property
     def block_size(self) -> int:
@@ -117,10 +120,18 @@ def process_env() -> ProcessEnv:
 
 
 def _float(environ: Mapping[str, str], name: str, default: float) -> float:
+    return _parsed(environ, name, float, "a number", default)
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    return _parsed(environ, name, int, "an integer", default)
+
+
+def _parsed(environ: Mapping[str, str], name: str, parse: Callable[[str], T], kind: str, default: T) -> T:
     value = environ.get(name, "")
     if not value:
         return default
     try:
-        return float(value)
+        return parse(value)
     except ValueError as err:
-        raise ValueError(f"{name}={value!r} is not a number") from err
+        raise ValueError(f"{name}={value!r} is not {kind}") from err

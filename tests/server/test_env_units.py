@@ -38,3 +38,5 @@ def test_shard_env_defaults_and_refusals() -> None:
         ShardEnv.read({"ATTENTION": "paged2"})
     with pytest.raises(ValueError, match="^WATERMARK_DELTA='strong' is not a number$"):
         ShardEnv.read({"WATERMARK_DELTA": "strong"})
+    with pytest.raises(ValueError, match="^WORLD_SIZE='two' is not an integer$"):
+        ShardEnv.read({"WORLD_SIZE": "two"})
