@@ -331,7 +331,9 @@ Tensor decode_layer(const Tensor& h, const Tensor& in_norm, const Projection& qk
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+// The module's contents; each variant's kernels/module.cpp defines the module itself under its own
+// name (tgi_cpu_kernels_<variant>), so several variants can live in one process (tests, benchmarks).
+void tgi_define_module(pybind11::module_& module) {
   namespace py = pybind11;
   // module_local: each variant's module registers its own Projection type (tests load several).
   py::class_<Projection>(module, "Projection", py::module_local(), "a weight in one of the kernels' formats")

@@ -205,7 +205,7 @@ def load_variant(name: str) -> CpuOps:
     """Import one variant's module, compiling it first when it is not built. The caller makes sure
     the CPU can run it (importing a variant the CPU lacks may end the process: SIGILL)."""
     path = kernel_build.module_path(build((BY_NAME[name],)), name)
-    spec = importlib.util.spec_from_file_location(NAME, path)
+    spec = importlib.util.spec_from_file_location(kernel_build.module_name(name), path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

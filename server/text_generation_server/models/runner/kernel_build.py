@@ -29,7 +29,7 @@ from torch.utils import cpp_extension
 
 from ...env import process_env
 
-NAME = "tgi_cpu_kernels"  # the Python module name every variant's .so defines
+NAME = "tgi_cpu_kernels"  # each variant's .so defines the Python module NAME_<variant> (module_name)
 HERE = Path(__file__).parent
 BINDINGS = HERE / "cpu_kernels.cpp"
 KERNEL_DIR = HERE / "kernels"
@@ -53,8 +53,10 @@ def compiler() -> str:
 def common_flags() -> list[str]:
     """Flags of every object: torch's headers and ABI, the module name, fp32 rounding as torch's."""
     includes = [*cpp_extension.include_paths(), sysconfig.get_path("include")]
-    return ["-O3", "-fPIC", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-DTORCH_API_INCLUDE_EXTENSION_H",
-            f"-DTORCH_EXTENSION_NAME={NAME}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    # -fvisibility=hidden: a variant's module exports its PyInit alone, none of the kernels'
+    # symbols, which every variant defines under the same names.
+    return ["-O3", "-fPIC", "-fvisibility=hidden", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-DTORCH_API_INCLUDE_EXTENSION_H",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             *(f"-isystem{path}" for path in includes)]
 
 
@@ -83,6 +85,10 @@ def _locked(folder: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def module_name(variant: str) -> str:
+    return f"{NAME}_{variant}"
+
+
 def module_path(folder: Path, variant: str) -> Path:
     return folder / variant / f"{NAME}.so"
 
@@ -102,7 +108,8 @@ def build(folder: Path, variants: dict[str, Sequence[str]], jobs: int | None = N
         for name, variant_flags in missing.items():
             (folder / name).mkdir(parents=True, exist_ok=True)
             for source in sorted(KERNEL_DIR.glob("*.cpp")):
-                commands.append([cxx, *flags, *variant_flags, f'-DTGI_VARIANT="{name}"', "-c", str(source),
+                commands.append([cxx, *flags, *variant_flags, f'-DTGI_VARIANT="{name}"',
+                                 f"-DTORCH_EXTENSION_NAME={module_name(name)}", "-c", str(source),
                                  "-o", str(folder / name / f"{source.stem}.o")])
         with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as pool:
             list(pool.map(_run, commands))  # re-raises the first failure

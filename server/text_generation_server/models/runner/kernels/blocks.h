@@ -61,7 +61,7 @@ struct F32Weights {
     std::memcpy(part, at(row, c), (k_end - c) * sizeof(float));
     return {simd::load(part)};
   }
-  void prefetch(int64_t row, int64_t c) const { _mm_prefetch(reinterpret_cast<const char*>(at(row, c)), _MM_HINT_T0); }
+  void prefetch(int64_t row, int64_t c) const { simd::prefetch_ahead(at(row, c)); }
   int64_t row_bytes(int64_t k_) const { return k_ * 4; }
   static F madd(F acc, const Vals& v, const float* x) { return simd::fmadd(v.v, simd::load(x), acc); }
 
@@ -107,9 +107,9 @@ inline void block(const W& w, const Prepared<typename W::X>& x, int64_t k, int64
       for (int r = 0; r < R; ++r) acc[r][j] = W::madd(acc[r][j], v[r], xj);
     }
   };
-  // The first tile streams the block from memory and asks for the next block's rows (R short
-  // streams confuse the hardware prefetcher; past the last row this names memory outside W:
-  // prefetches are hints and never fault); later tiles find the block in L1.
+  // The first tile streams the block from memory and asks L2 for what lies simd::kAheadBytes
+  // ahead (past the last row this names memory outside W: prefetches are hints and never
+  // fault); later tiles find the block in L1.
   const bool first = m0 == 0;
   const int64_t whole = k / W::kChunk * W::kChunk;
   for (int64_t c = 0; c < whole; c += W::kChunk) {
@@ -117,7 +117,7 @@ inline void block(const W& w, const Prepared<typename W::X>& x, int64_t k, int64
     for (int r = 0; r < R; ++r) v[r] = w.load(row + r, c);
 #ifndef TGI_NO_PREFETCH
     if (first)
-      for (int r = 0; r < R; ++r) w.prefetch(row + R + r, c);
+      for (int r = 0; r < R; ++r) w.prefetch(row + r, c);
 #endif
     multiply(v, c);
   }

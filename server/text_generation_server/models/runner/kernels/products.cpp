@@ -29,7 +29,7 @@ struct Bf16Weights {
     std::memcpy(part, w + row * k + c, (k_end - c) * sizeof(uint16_t));
     return {_mm512_loadu_si512(part)};
   }
-  void prefetch(int64_t row, int64_t c) const { _mm_prefetch(reinterpret_cast<const char*>(w + row * k + c), _MM_HINT_T0); }
+  void prefetch(int64_t row, int64_t c) const { simd::prefetch_ahead(w + row * k + c); }
   int64_t row_bytes(int64_t k_) const { return k_ * 2; }
   static F madd(F acc, const Vals& v, const uint16_t* x) {
     return _mm512_dpbf16_ps(acc, (__m512bh)v.v, (__m512bh)_mm512_loadu_si512(x));
@@ -64,7 +64,7 @@ struct Bf16Weights {
     simd::widen_bf16(part, v.lo, v.hi);
     return v;
   }
-  void prefetch(int64_t row, int64_t c) const { _mm_prefetch(reinterpret_cast<const char*>(w + row * k + c), _MM_HINT_T0); }
+  void prefetch(int64_t row, int64_t c) const { simd::prefetch_ahead(w + row * k + c); }
   int64_t row_bytes(int64_t k_) const { return k_ * 2; }
   static F madd(F acc, const Vals& v, const float* x) {
     return simd::fmadd(v.hi, simd::load(x + simd::kLanes), simd::fmadd(v.lo, simd::load(x), acc));
@@ -116,7 +116,7 @@ struct Int8Weights {
     return {simd::mul(v.lo, scale), simd::mul(v.hi, scale)};
   }
   Vals load_tail(int64_t, int64_t, int64_t) const { return {simd::zero(), simd::zero()}; }  // k % blocksize == 0
-  void prefetch(int64_t row, int64_t c) const { _mm_prefetch(reinterpret_cast<const char*>(w + row * k + c), _MM_HINT_T0); }
+  void prefetch(int64_t row, int64_t c) const { simd::prefetch_ahead(w + row * k + c); }
   int64_t row_bytes(int64_t k_) const { return k_; }
   static F madd(F acc, const Vals& v, const float* x) {
     return simd::fmadd(v.hi, simd::load(x + simd::kLanes), simd::fmadd(v.lo, simd::load(x), acc));

@@ -102,6 +102,7 @@ struct FourBit {
   template <bool kRound>
   void chunk(int64_t row, int64_t c, F (&out)[kVectors]) const {
     const int64_t e = row * k + c;
+    if ((c & 127) == 0) simd::prefetch_ahead(w.codes + e / 2);  // a cache line of codes per 128 weights
     decode(w.codes + e / 2, simd::set1(w.absmax[e >> shift]), out);
     if constexpr (kRound)
       for (auto& v : out) v = simd::round_to_bf16(v);
@@ -257,7 +258,7 @@ void int8_sums(const int8_t* codes, int64_t k, const QuantizedX& q, int64_t j, i
       } else {
         wv = simd::load_i(w);
       }
-      _mm_prefetch(reinterpret_cast<const char*>(w + R * k), _MM_HINT_T0);
+      simd::prefetch_ahead(w);
       acc[r] = dot_i8(acc[r], wv, xu + c, xs + c);
 #if defined(__AVX512VNNI__)
       weight_sums[r] = _mm512_dpbusd_epi32(weight_sums[r], _mm512_set1_epi8(1), wv);

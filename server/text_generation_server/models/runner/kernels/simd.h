@@ -97,6 +97,14 @@ inline void widen_bf16(const uint16_t* p, F& lo, F& hi) {  // see the AVX-512 tw
 
 #endif
 
+// Weights stream from memory once per product, each thread through its own contiguous rows. The
+// hardware prefetcher ramps up too slowly on the short rows of small models (2-6 KiB), and
+// prefetching the next rows into L1 contends with the loads themselves; asking L2 for the line
+// kAheadBytes further on each read keeps enough misses in flight: measured on a Zen 4 at 2
+// threads, 20 -> 33 GB/s for a one-row fp32 product with k = 576 (a plain sum reads 28-40).
+constexpr int64_t kAheadBytes = 32768;
+inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kAheadBytes, _MM_HINT_T1); }
+
 // Each lane rounded to the nearest bf16 value (ties to even), kept as fp32 (finite inputs).
 inline F round_to_bf16(F v) {
 #if defined(__AVX512F__)
