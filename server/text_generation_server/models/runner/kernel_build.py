@@ -55,8 +55,8 @@ def common_flags() -> list[str]:
     includes = [*cpp_extension.include_paths(), sysconfig.get_path("include")]
     # -fvisibility=hidden: a variant's module exports its PyInit alone, none of the kernels'
     # symbols, which every variant defines under the same names.
-    return ["-O3", "-fPIC", "-fvisibility=hidden", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-DTORCH_API_INCLUDE_EXTENSION_H",
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    return ["-O3", "-fPIC", "-fvisibility=hidden", "-std=c++20", "-fopenmp", "-ffp-contract=off",
+            "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             *(f"-isystem{path}" for path in includes)]
 
 
