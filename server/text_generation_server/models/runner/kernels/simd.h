@@ -27,6 +27,7 @@ inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 inline F fmadd(F a, F b, F acc) { return _mm512_fmadd_ps(a, b, acc); }
 inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
 inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
 inline F div(F a, F b) { return _mm512_div_ps(a, b); }
 inline F min_(F a, F b) { return _mm512_min_ps(a, b); }
 inline F max_(F a, F b) { return _mm512_max_ps(a, b); }
@@ -65,6 +66,7 @@ inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 inline F fmadd(F a, F b, F acc) { return _mm256_fmadd_ps(a, b, acc); }
 inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
 inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
 inline F div(F a, F b) { return _mm256_div_ps(a, b); }
 inline F min_(F a, F b) { return _mm256_min_ps(a, b); }
 inline F max_(F a, F b) { return _mm256_max_ps(a, b); }
