@@ -23,8 +23,8 @@ def test_handshake_and_greedy_chat_answer(shard: Stub) -> None:
     assert info.requires_padding and not info.support_chunking and not info.use_prefix_caching
     assert info.dtype == "torch.float32" and info.device_type == "cpu"
     assert info.block_size >= 1 and info.speculate == 0 and not info.HasField("window_size")
-    choice = cpu_kernels.chosen()  # the shard process picks its CPU kernel variant the same way
-    assert info.cpu_kernels == ("none" if isinstance(choice, str) else choice.name)
+    ops = cpu_kernels.load(kind="float32")  # the shard reads the same measured choice (kernel_choice.py)
+    assert info.cpu_kernels == ("none" if ops is None else ops.variant)
     warmup = shard.Warmup(generate_pb2.WarmupRequest(  # upstream's router warms up with watermark on
         batch=make_batch(7, [make_request(0, "warm up " * 40, 2, ignore_eos=True, watermark=True)]),
         max_input_tokens=1000, max_prefill_tokens=1024, max_total_tokens=1024))

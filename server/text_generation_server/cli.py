@@ -91,21 +91,25 @@ def build_kernels_command() -> None:
 
     Compiling runs none of what it compiles, so it needs a C++ compiler, not a particular CPU:
     an image built on one host runs on another, which imports the variant its CPU can run.
-    That variant is then imported once here as a check. Exits 1 when the compiler is missing
-    or fails (serving would then use torch's ops).
+    Then, on this CPU, the runnable variants are timed per weight kind and the fastest of each
+    is remembered (kernel_choice.py; every server process here reads that choice). Exits 1 when
+    the compiler is missing or fails (serving would then use torch's ops).
     """
-    from .models.runner import cpu_kernels
+    from .models.runner import cpu_kernels, kernel_choice
 
     try:
         folder = cpu_kernels.build()
         choice = cpu_kernels.chosen()
-        if not isinstance(choice, str):
-            cpu_kernels.load_variant(choice.name)
+        used = f"none used here: {choice}" if isinstance(choice, str) else ""
+        if not isinstance(choice, str):  # imports each variant it uses, and measures which is fastest
+            picks = {kind: cpu_kernels.load(kind=kind) for kind in kernel_choice.KINDS}
+            used = "this machine uses " + ", ".join(f"{ops.variant} for {kind}" for kind, ops in picks.items() if ops)
+            if not all(picks.values()):
+                raise RuntimeError("a kernel variant failed to load (see the log)")
     except Exception as error:
         print(f"cpu kernels: build failed: {error}", file=sys.stderr)
         raise typer.Exit(1) from error
     names = ", ".join(variant.name for variant in cpu_kernels.VARIANTS)
-    used = f"this machine uses {choice.name}" if not isinstance(choice, str) else f"none used here: {choice}"
     print(f"cpu kernels: built {names} in {folder} ({used})")
 
 

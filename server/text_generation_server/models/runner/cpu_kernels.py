@@ -9,17 +9,19 @@ products (fp32, bf16, bitsandbytes 4-bit and LLM.int8()), `rms_norm`, `decode_at
 new queries per row), `rope`, `silu_mul`, and `decode_layer`, a whole Llama-family layer for a
 few new tokens per row, so Python is crossed once per layer.
 
-Variants, as ggml and ATen do it: the kernels are compiled once per ISA level (VARIANTS, best
-first) and the best one the CPU's flags allow is imported, once per process; the log and the
-shard's Info name it. fp32 kernels never use a bf16 instruction (bf16 weights are widened by
-shifts below avx512_bf16), and int8 products use AVX-512 VNNI where the CPU has it. Building
+Variants, as ggml and ATen do it: the kernels are compiled once per ISA level (VARIANTS, widest
+first) and one the CPU's flags allow is imported per weight kind (float32, bfloat16, 4-bit,
+int8): the one measured fastest for that kind on this CPU (kernel_choice.py: the widest is not
+always the fastest), once per process; the log and the shard's Info name it. fp32 kernels
+never use a bf16 instruction (bf16 weights are widened by shifts below avx512_bf16), and int8
+products use AVX-512 VNNI where the CPU has it. Building
 (`text-generation-server build-kernels`, run by `make install` and the image build; kernel_build.py)
 compiles every variant and imports none, so a build never executes an instruction the CPU lacks.
 Modules live in TGI_KERNEL_DIR (default ~/.cache/tgi-kernels), in a folder named by a hash of
 the sources, flags, torch and Python versions, and are imported from there without a compiler.
 They run on torch's own OpenMP team: linked against torch's bundled libgomp, never the system's.
 
-TGI_CPU_KERNELS: "auto" (default: the best variant), "off" (torch's ops), or a variant name to
+TGI_CPU_KERNELS: "auto" (default: the measured choice), "off" (torch's ops), or a variant name to
 force it (tests run the avx2 variant on AVX-512 machines this way). When the kernels cannot be
 used (another ISA, a forced variant the CPU lacks, no compiler), the reason is logged once and
 the runner uses torch's ops.
@@ -40,7 +42,7 @@ import torch
 from loguru import logger
 
 from ...env import process_env
-from . import kernel_build
+from . import kernel_build, kernel_choice
 
 SOURCE = kernel_build.BINDINGS
 ENV_SWITCH = "TGI_CPU_KERNELS"  # "auto" (default), "off", or a variant name (env.KernelEnv.switch)
@@ -165,7 +167,8 @@ def _switch(switch: str | None) -> str:
 
 
 def chosen(switch: str | None = None) -> Variant | str:
-    """The variant for a TGI_CPU_KERNELS value (default: this process's) on this CPU, or why none."""
+    """The variant for a TGI_CPU_KERNELS value (default: this process's) on this CPU, or why none;
+    for `auto` the widest one the flags allow (load() then takes the one measured fastest)."""
     return choose(_switch(switch), cpu_flags(), platform.machine())
 
 
@@ -215,14 +218,20 @@ def load_variant(name: str) -> CpuOps:
 
 
 @functools.cache
-def _load(switch: str) -> CpuOps | None:
+def _load(switch: str, kind: str) -> CpuOps | None:
     choice = choose(switch, cpu_flags(), platform.machine())
     if isinstance(choice, str):
         reason = choice
     else:
         try:
-            ops = load_variant(choice.name)
-            logger.info(f"CPU kernels: the {choice.name} variant ({', '.join(choice.cpu_flags)})")
+            name, why = choice.name, f"forced by {ENV_SWITCH}"
+            if switch == "auto":
+                candidates = {v.name: functools.partial(load_variant, v.name) for v in runnable_variants()}
+                name, why = kernel_choice.choose(build(), kernel_choice.cpu_signature(cpu_flags(),
+                                                 kernel_choice.cpu_model_name()), kind, candidates)
+            ops = load_variant(name)
+            logger.info(f"CPU kernels for {kind} weights: the {name} variant ({', '.join(BY_NAME[name].cpu_flags)}; "
+                        f"{why})")
             return ops
         except Exception as error:  # noqa: BLE001 - any build failure means "use torch", said loudly
             last = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
@@ -231,10 +240,13 @@ def _load(switch: str) -> CpuOps | None:
     return None
 
 
-def load(switch: str | None = None) -> CpuOps | None:
-    """The kernels of the variant a TGI_CPU_KERNELS value (default: this process's) and the CPU
-    choose, or None (the reason is logged once)."""
-    return _load(_switch(switch).lower())
+def load(switch: str | None = None, kind: str = "float32") -> CpuOps | None:
+    """The kernels for weights of `kind` (kernel_choice.KINDS) that a TGI_CPU_KERNELS value (default:
+    this process's) and the CPU choose, or None (the reason is logged once). `auto` takes the variant
+    measured fastest for that kind on this CPU (kernel_choice.py); a variant name forces it."""
+    if kind not in kernel_choice.KINDS:
+        raise ValueError(f"kernel weight kind {kind!r} is not one of {', '.join(kernel_choice.KINDS)}")
+    return _load(_switch(switch).lower(), kind)
 
 
 def linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -40,7 +40,7 @@ from loguru import logger
 
 from . import cpu_kernels
 from .fast_weights import ArchSpec, LayerWeights, Projection, norm_weight, read_layer, read_spec, rope_sources
-from .kernel_weights import kernel_layer, log_refusals
+from .kernel_weights import kernel_layer, log_refusals, weight_kind
 from .kv_cache import KVCache
 from .rope import RopeTable, apply_rope
 
@@ -226,7 +226,7 @@ class FastLlamaRunner:
         self.layers: list[LayerWeights] = [read_layer(layer, self.spec, self.dtype) for layer in model.model.layers]
         # The kernels take float32 and bfloat16 (dense or bitsandbytes); decided here once, not per op.
         use_kernels = config.kernels and not config.compile and self.dtype in cpu_kernels.DTYPES
-        ops = cpu_kernels.load(config.kernel_switch) if use_kernels else None
+        ops = cpu_kernels.load(config.kernel_switch, weight_kind(self.layers[0], self.dtype)) if use_kernels else None
         self.cpu_kernels = ops.variant if ops is not None else "none"
         if ops is not None:
             refusals: dict[str, str] = {}

@@ -75,7 +75,7 @@ def _run(command: list[str]) -> None:
 
 
 @contextmanager
-def _locked(folder: Path) -> Iterator[None]:
+def locked(folder: Path) -> Iterator[None]:
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f"{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -96,7 +96,7 @@ def module_path(folder: Path, variant: str) -> Path:
 def build(folder: Path, variants: dict[str, Sequence[str]], jobs: int | None = None) -> None:
     """Compile each missing variant (name -> its -m flags) into `folder`; raises on failure."""
     cxx = compiler()
-    with _locked(folder):
+    with locked(folder):
         missing = {name: flags for name, flags in variants.items() if not module_path(folder, name).exists()}
         if not missing:
             return

@@ -97,6 +97,16 @@ def _int8(ops: CpuOps, modules: tuple[Any, ...], dtype: torch.dtype) -> Projecti
                                thresholds[0])
 
 
+def weight_kind(layer: LayerWeights, dtype: torch.dtype) -> str:
+    """The kernels' weight kind of a layer (kernel_choice.KINDS): its dtype when dense, else the
+    bitsandbytes format."""
+    qkv = layer.pre[1]
+    if isinstance(qkv, torch.Tensor):
+        return str(dtype).removeprefix("torch.")
+    kinds = {type(m).__name__ for m in qkv}
+    return "4bit" if kinds == {BNB_4BIT} else "int8" if kinds == {BNB_8BIT} else str(dtype).removeprefix("torch.")
+
+
 def to_projection(ops: CpuOps, weight: Any, bias: torch.Tensor | None, dtype: torch.dtype,
                   refusals: dict[str, str]) -> Any:
     """The kernels' Projection for one fast_weights projection, or it unchanged (reason recorded)."""

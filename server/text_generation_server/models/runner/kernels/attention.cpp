@@ -44,7 +44,7 @@ inline float dot(const float* query, const T* key, int64_t dim) {
 // 64 columns, as much as the layer's smaller products).
 template <typename T>
 void one_query(const float* query, const T* kr, const T* vr, const T* mask_row, const AttentionShape& s, float scale,
-               std::vector<float>& scores, std::vector<float>& acc, T* out) {
+               simd::Buffer<float>& scores, simd::Buffer<float>& acc, T* out) {
   float best = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < s.total; ++t) {
     scores[t] = dot(query, kr + t * s.k_column, s.dim) * scale + as_float(mask_row[t]);
@@ -84,7 +84,7 @@ void attention(const T* q, const T* keys, const T* values, const T* mask, T* out
   const int64_t tasks = s.rows * s.new_tokens * s.heads;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.total * s.dim));
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(s.total), query(s.dim), acc(s.dim);
+    simd::Buffer<float> scores(s.total), query(s.dim), acc(s.dim);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t h = task % s.heads, token = (task / s.heads) % s.new_tokens, r = task / (s.heads * s.new_tokens);
       const T* qr = q + r * s.q_row + token * s.q_token + h * s.q_head;

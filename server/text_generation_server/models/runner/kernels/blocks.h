@@ -36,7 +36,7 @@ inline int64_t round_up(int64_t value, int64_t step) { return (value + step - 1)
 // The x rows of one call, in a format's order and element type: [m, padded_k].
 template <typename X>
 struct Prepared {
-  std::vector<X> values;
+  simd::Buffer<X> values;
   int64_t padded_k = 0;
   Prepared(int64_t m, int64_t k, int64_t chunk) : values(m * round_up(k, chunk), X{}), padded_k(round_up(k, chunk)) {}
   X* row(int64_t j) { return values.data() + j * padded_k; }

@@ -72,7 +72,7 @@ struct Bf16Weights {
 
   static Prepared<float> prepare(const uint16_t* x, int64_t m, int64_t k_) {
     Prepared<float> out(m, k_, kChunk);
-    std::vector<uint16_t> padded(out.padded_k, 0);
+    simd::Buffer<uint16_t> padded(out.padded_k, 0);
     for (int64_t j = 0; j < m; ++j) {
       std::memcpy(padded.data(), x + j * k_, k_ * sizeof(uint16_t));
       for (int64_t c = 0; c < out.padded_k; c += kChunk) {

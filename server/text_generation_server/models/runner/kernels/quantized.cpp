@@ -136,7 +136,7 @@ void four_bit_one_row(const FourBit& w, const float* x, const float* bias, float
 // few-row product (blocks.h) runs on it.
 template <bool kRound>
 void four_bit_rows(const FourBit& w, const Prepared<float>& x, int64_t m, const float* bias, float* y, int64_t n,
-                   int64_t row, int64_t rows, std::vector<float>& decoded) {
+                   int64_t row, int64_t rows, simd::Buffer<float>& decoded) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < w.k; c += kChunk4) {
       F v[kVectors];
@@ -161,7 +161,7 @@ void four_bit(const FourBit& w, const Prepared<float>& x, int64_t m, const float
       for (int64_t row = b0 * blocks::kRows; row < end; ++row) four_bit_one_row<kRound>(w, x.row(0), bias, y, row);
       return;
     }
-    std::vector<float> decoded(blocks::kRows * w.k);
+    simd::Buffer<float> decoded(blocks::kRows * w.k);
     for (int64_t row = b0 * blocks::kRows; row < end; row += blocks::kRows)
       four_bit_rows<kRound>(w, x, m, bias, y, n, row, std::min<int64_t>(blocks::kRows, end - row), decoded);
   });
@@ -173,8 +173,8 @@ constexpr int64_t kBytes = static_cast<int64_t>(sizeof(I));  // int8 values per 
 // x quantized as bitsandbytes does (see the header), in the layout the dot product wants.
 struct QuantizedX {
   int64_t padded_k;
-  std::vector<uint8_t> unsigned_part;  // |x| (or x + 128 for VNNI)
-  std::vector<int8_t> signs;           // x itself (its sign moves onto w)
+  simd::Buffer<uint8_t> unsigned_part;  // |x| (or x + 128 for VNNI)
+  simd::Buffer<int8_t> signs;           // x itself (its sign moves onto w)
   std::vector<float> scales;           // absmax of each row's fp16 values below the threshold
   std::vector<int64_t> outliers;       // outlier columns
 };

@@ -1,0 +1,159 @@
+"""Which of the runnable kernel variants is fastest on this CPU, per weight kind: measured once.
+
+Design note: the widest ISA the flags allow is not always the fastest. On a Zen 4 (AVX-512
+executed as two 256-bit halves) a decode step of the default model measured, per variant
+(ms): fp32 avx2 20.3, avx512 21.5; bf16 avx2 10.3, avx512 11.1, avx512_bf16 (vdpbf16ps) 13.8;
+nf4 avx512 10.4, avx2 12.3 (vpermps decodes 4-bit codes in one instruction). So, as FFTW keeps
+"wisdom", the variant for `TGI_CPU_KERNELS=auto` is chosen by timing each runnable variant on
+a synthetic decode step of that weight kind (decoder layers of one shape whose weights exceed
+the last-level cache, one new token, interleaved rounds, medians) and remembered in
+`choices.json` in the build folder, keyed by the CPU model and flags. `build-kernels` measures
+every kind at install time, so every process on a machine reads the same choice (the numerics
+of variants differ in the order of fp32 sums, and two processes of one server must agree); a
+process whose CPU has no entry (an image built on another host) measures the kind it needs
+once, under the build folder's lock, and writes it when the folder is writable. A variant
+must be 3% faster than a wider one to be chosen, so that noise does not flip the choice.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from loguru import logger
+
+from . import kernel_build
+
+if TYPE_CHECKING:
+    from .cpu_kernels import CpuOps, Projection
+
+KINDS = ("float32", "bfloat16", "4bit", "int8")  # weight formats of the fast runner's projections
+CHOICES_FILE = "choices.json"
+MARGIN = 0.97  # a narrower variant must take at most this share of a wider one's time
+WEIGHT_BYTES = 96 << 20  # weights per synthetic step: beyond the last-level cache of these machines
+HIDDEN, INTER, HEADS, KV_HEADS, DIM, CONTEXT = 576, 1536, 9, 3, 64, 64
+BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "4bit": 0.5625, "int8": 1.0}
+NF4_LIKE = torch.linspace(-1.0, 1.0, 16)
+
+
+def cpu_signature(flags: set[str], model_name: str) -> str:
+    interesting = sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "amx")))
+    return f"{model_name} | {' '.join(interesting)}"
+
+
+def cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+class _SyntheticStep:
+    """Decoder layers of one weight kind on one variant's kernels, and one decode step over them."""
+
+    def __init__(self, ops: CpuOps, kind: str, num_layers: int, seed: int) -> None:
+        self.ops, self.kind = ops, kind
+        generator = torch.Generator().manual_seed(seed)
+        self.dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+        shapes = {"qkv": ((HEADS + 2 * KV_HEADS) * DIM, HIDDEN), "o": (HIDDEN, HEADS * DIM),
+                  "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+        norm = torch.ones(HIDDEN, dtype=self.dtype)
+        self.layers = [(norm, *(self._projection(n, k, generator) for n, k in shapes.values()))
+                       for _ in range(num_layers)]
+        self.keys = torch.randn(1, KV_HEADS, CONTEXT + 1, DIM, generator=generator).to(self.dtype)
+        self.values = torch.randn(1, KV_HEADS, CONTEXT + 1, DIM, generator=generator).to(self.dtype)
+        self.cos = torch.ones(1, 1, 1, DIM, dtype=self.dtype)
+        self.sin = torch.zeros(1, 1, 1, DIM, dtype=self.dtype)
+        self.mask = torch.zeros(1, 1, 1, CONTEXT + 1, dtype=self.dtype)
+        self.h = torch.randn(1, 1, HIDDEN, generator=generator).to(self.dtype) * 0.1
+
+    def _projection(self, n: int, k: int, generator: torch.Generator) -> Projection:
+        factory = self.ops.Projection
+        if self.kind == "4bit":
+            codes = torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, generator=generator)
+            return factory.four_bit(codes, torch.full((n * k // 64,), 0.05), NF4_LIKE, 64, n, k, None)
+        if self.kind == "int8":
+            codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+            return factory.int8(codes, torch.full((n,), 0.05), None, 6.0)
+        return factory.dense((torch.randn(n, k, generator=generator) / k**0.5).to(self.dtype), None)
+
+    def __call__(self) -> None:
+        h = self.h
+        for norm, qkv, o_proj, gate_up, down in self.layers:
+            h = self.ops.decode_layer(h, norm, qkv, o_proj, norm, gate_up, down, self.keys, self.values, CONTEXT,
+                                      self.cos, self.sin, self.mask, HEADS, KV_HEADS, 1e-5, DIM**-0.5)
+
+
+def measure(modules: dict[str, CpuOps], kind: str, rounds: int = 3, steps: int = 5) -> dict[str, float]:
+    """Median seconds of a synthetic decode step of `kind` per variant (interleaved rounds)."""
+    layer_weights = (HIDDEN * (HEADS + 2 * KV_HEADS) * DIM + HEADS * DIM * HIDDEN + 3 * INTER * HIDDEN)
+    num_layers = max(1, int(WEIGHT_BYTES / (layer_weights * BYTES_PER_WEIGHT[kind])))
+    stepper = {name: _SyntheticStep(ops, kind, num_layers, seed=7) for name, ops in modules.items()}
+    samples: dict[str, list[float]] = {name: [] for name in stepper}
+    for step in stepper.values():  # first-call allocations
+        step()
+    for _ in range(rounds):
+        for name, step in stepper.items():
+            for _ in range(steps):
+                start = time.perf_counter()
+                step()
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def pick(timings: dict[str, float], widest_first: list[str]) -> str:
+    """The fastest variant, where a narrower one must beat every wider one by MARGIN."""
+    best = widest_first[0]
+    for name in widest_first[1:]:
+        if timings[name] <= MARGIN * timings[best]:
+            best = name
+    return best
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def choose(folder: Path, signature: str, kind: str, loaders: dict[str, Callable[[], CpuOps]]) -> tuple[str, str]:
+    """(variant, how it was chosen) for `kind` among `loaders` (runnable variants, widest first)."""
+    names = list(loaders)
+    if len(names) == 1:
+        return names[0], "the only variant this CPU runs"
+    path = folder / CHOICES_FILE
+    remembered = _read(path).get(signature, {}).get(kind)
+    if isinstance(remembered, dict) and remembered.get("variant") in names:
+        return remembered["variant"], _describe(remembered.get("ms", {}), "measured at install")
+    modules = {name: load() for name, load in loaders.items()}  # built (under the lock) before taking it
+    with kernel_build.locked(folder):
+        remembered = _read(path).get(signature, {}).get(kind)  # another process may have measured it
+        if isinstance(remembered, dict) and remembered.get("variant") in names:
+            return remembered["variant"], _describe(remembered.get("ms", {}), "measured at install")
+        timings = measure(modules, kind)
+        variant = pick(timings, names)
+        entry = {"variant": variant, "ms": {name: round(s * 1e3, 3) for name, s in timings.items()},
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        data = _read(path)
+        data.setdefault(signature, {})[kind] = entry
+        try:
+            path.write_text(json.dumps(data, indent=1) + "\n")
+        except OSError as error:
+            logger.warning(f"CPU kernels: cannot remember the measured choice in {path} ({error}); "
+                           "each process measures again")
+    return variant, _describe(entry["ms"], "measured now")
+
+
+def _describe(ms: dict[str, float], when: str) -> str:
+    parts = ", ".join(f"{name} {value:.1f} ms" for name, value in ms.items())
+    return f"fastest of a synthetic decode step, {when}: {parts}" if parts else f"fastest, {when}"

@@ -1,0 +1,62 @@
+"""The measured choice among runnable kernel variants (kernel_choice.py), on this CPU's real modules."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+from text_generation_server.models.runner import cpu_kernels, kernel_choice
+
+RUNNABLE = [v.name for v in cpu_kernels.runnable_variants()]
+needs_two = pytest.mark.skipif(len(RUNNABLE) < 2, reason=f"this CPU runs {len(RUNNABLE)} kernel variant(s): "
+                               "there is nothing to choose between")
+
+
+def _loaders() -> dict[str, functools.partial]:
+    return {name: functools.partial(cpu_kernels.load_variant, name) for name in RUNNABLE}
+
+
+def test_a_narrower_variant_must_beat_the_wider_ones_by_the_margin() -> None:
+    widest_first = ["avx512_bf16", "avx512", "avx2"]
+    assert kernel_choice.pick({"avx512_bf16": 1.0, "avx512": 0.99, "avx2": 0.98}, widest_first) == "avx512_bf16"
+    assert kernel_choice.pick({"avx512_bf16": 1.0, "avx512": 0.96, "avx2": 0.95}, widest_first) == "avx512"
+    assert kernel_choice.pick({"avx512_bf16": 1.0, "avx512": 0.99, "avx2": 0.90}, widest_first) == "avx2"
+    assert kernel_choice.pick({"avx512_bf16": 0.5, "avx512": 0.99, "avx2": 0.90}, widest_first) == "avx512_bf16"
+
+
+@needs_two
+def test_measured_once_then_remembered_per_cpu(tmp_path: Path) -> None:
+    name, why = kernel_choice.choose(tmp_path, "cpu A", "int8", _loaders())
+    assert name in RUNNABLE and why.startswith("fastest of a synthetic decode step, measured now")
+    saved = json.loads((tmp_path / kernel_choice.CHOICES_FILE).read_text())
+    entry = saved["cpu A"]["int8"]
+    assert entry["variant"] == name and set(entry["ms"]) == set(RUNNABLE) and all(v > 0 for v in entry["ms"].values())
+    # What is remembered is read back as it is (here: made to name another variant).
+    other = next(v for v in RUNNABLE if v != name)
+    saved["cpu A"]["int8"]["variant"] = other
+    (tmp_path / kernel_choice.CHOICES_FILE).write_text(json.dumps(saved))
+    assert kernel_choice.choose(tmp_path, "cpu A", "int8", _loaders())[0] == other
+    # Another CPU (an image built elsewhere) measures for itself and keeps the first CPU's entry.
+    kernel_choice.choose(tmp_path, "cpu B", "int8", _loaders())
+    assert set(json.loads((tmp_path / kernel_choice.CHOICES_FILE).read_text())) == {"cpu A", "cpu B"}
+
+
+@needs_two
+def test_a_folder_it_cannot_write_still_chooses(tmp_path: Path) -> None:
+    """The choice cannot be remembered (here: the folder is not there): measured, used, logged."""
+    name, why = kernel_choice.choose(tmp_path / "missing", "cpu A", "float32", _loaders())
+    assert name in RUNNABLE and "measured now" in why
+
+
+def test_a_single_runnable_variant_is_taken_without_measuring(tmp_path: Path) -> None:
+    name, why = kernel_choice.choose(tmp_path, "cpu A", "bfloat16", {"avx2": lambda: None})  # type: ignore[dict-item]
+    assert (name, why) == ("avx2", "the only variant this CPU runs")
+    assert not (tmp_path / kernel_choice.CHOICES_FILE).exists()
+
+
+def test_an_unknown_kind_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="kernel weight kind 'fp8' is not one of float32, bfloat16, 4bit, int8"):
+        cpu_kernels.load(kind="fp8")
