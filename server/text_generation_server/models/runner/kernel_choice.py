@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from loguru import logger
@@ -56,6 +56,14 @@ def cpu_model_name() -> str:
     return "unknown CPU"
 
 
+class _Layer(NamedTuple):
+    norm: torch.Tensor
+    qkv: Projection
+    o_proj: Projection
+    gate_up: Projection
+    down: Projection
+
+
 class _SyntheticStep:
     """Decoder layers of one weight kind on one variant's kernels, and one decode step over them."""
 
@@ -66,7 +74,7 @@ class _SyntheticStep:
         shapes = {"qkv": ((HEADS + 2 * KV_HEADS) * DIM, HIDDEN), "o": (HIDDEN, HEADS * DIM),
                   "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
         norm = torch.ones(HIDDEN, dtype=self.dtype)
-        self.layers = [(norm, *(self._projection(n, k, generator) for n, k in shapes.values()))
+        self.layers = [_Layer(norm, *(self._projection(n, k, generator) for n, k in shapes.values()))
                        for _ in range(num_layers)]
         self.keys = torch.randn(1, KV_HEADS, CONTEXT + 1, DIM, generator=generator).to(self.dtype)
         self.values = torch.randn(1, KV_HEADS, CONTEXT + 1, DIM, generator=generator).to(self.dtype)
@@ -87,8 +95,9 @@ class _SyntheticStep:
 
     def __call__(self) -> None:
         h = self.h
-        for norm, qkv, o_proj, gate_up, down in self.layers:
-            h = self.ops.decode_layer(h, norm, qkv, o_proj, norm, gate_up, down, self.keys, self.values, CONTEXT,
+        for layer in self.layers:
+            h = self.ops.decode_layer(h, layer.norm, layer.qkv, layer.o_proj, layer.norm, layer.gate_up, layer.down,
+                                      self.keys, self.values, CONTEXT,
                                       self.cos, self.sin, self.mask, HEADS, KV_HEADS, 1e-5, DIM**-0.5)
 
 
@@ -126,7 +135,7 @@ def _read(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def choose(folder: Path, signature: str, kind: str, loaders: dict[str, Callable[[], CpuOps]]) -> tuple[str, str]:
+def choose(folder: Path, signature: str, kind: str, loaders: Mapping[str, Callable[[], CpuOps]]) -> tuple[str, str]:
     """(variant, how it was chosen) for `kind` among `loaders` (runnable variants, widest first)."""
     names = list(loaders)
     if len(names) == 1:
@@ -142,8 +151,8 @@ def choose(folder: Path, signature: str, kind: str, loaders: dict[str, Callable[
             return remembered["variant"], _describe(remembered.get("ms", {}), "measured at install")
         timings = measure(modules, kind)
         variant = pick(timings, names)
-        entry = {"variant": variant, "ms": {name: round(s * 1e3, 3) for name, s in timings.items()},
-                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        ms = {name: round(seconds * 1e3, 3) for name, seconds in timings.items()}
+        entry = {"variant": variant, "ms": ms, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
         data = _read(path)
         data.setdefault(signature, {})[kind] = entry
         try:
@@ -151,7 +160,7 @@ def choose(folder: Path, signature: str, kind: str, loaders: dict[str, Callable[
         except OSError as error:
             logger.warning(f"CPU kernels: cannot remember the measured choice in {path} ({error}); "
                            "each process measures again")
-    return variant, _describe(entry["ms"], "measured now")
+    return variant, _describe(ms, "measured now")
 
 
 def _describe(ms: dict[str, float], when: str) -> str:

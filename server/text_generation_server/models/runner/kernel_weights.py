@@ -103,7 +103,7 @@ def weight_kind(layer: LayerWeights, dtype: torch.dtype) -> str:
     qkv = layer.pre[1]
     if isinstance(qkv, torch.Tensor):
         return str(dtype).removeprefix("torch.")
-    kinds = {type(m).__name__ for m in qkv}
+    kinds = {type(m).__name__ for m in qkv or ()}
     return "4bit" if kinds == {BNB_4BIT} else "int8" if kinds == {BNB_8BIT} else str(dtype).removeprefix("torch.")
 
 
