@@ -25,10 +25,8 @@ TARGETS = [
     ("nf4 b8 / llama.cpp Q4_K_M b8", "fast nf4 b8", "llama.cpp q4_k_m b8", 1.0),
     ("int8 b1 / llama.cpp Q8_0 b1", "fast int8 b1", "llama.cpp q8_0 b1", 1.0),
     ("int8 b8 / llama.cpp Q8_0 b8", "fast int8 b8", "llama.cpp q8_0 b8", 1.0),
-    ("nf4 int8-head b1 / Q4_K_M b1", "fast nf4 int8-head b1", "llama.cpp q4_k_m b1", 1.0),
-    ("nf4 int8-head b8 / Q4_K_M b8", "fast nf4 int8-head b8", "llama.cpp q4_k_m b8", 1.0),
-    ("int8 int8-head b1 / Q8_0 b1", "fast int8 int8-head b1", "llama.cpp q8_0 b1", 1.0),
-    ("int8 int8-head b8 / Q8_0 b8", "fast int8 int8-head b8", "llama.cpp q8_0 b8", 1.0),
+    ("nf4 dense-head b1 / Q4_K_M b1", "fast nf4 dense-head b1", "llama.cpp q4_k_m b1", None),
+    ("int8 dense-head b1 / Q8_0 b1", "fast int8 dense-head b1", "llama.cpp q8_0 b1", None),
     ("avx2 fp32 b1 / llama.cpp f32 b1", "fast fp32 avx2 b1", "llama.cpp f32 b1", None),
     ("avx2 bf16 b1 / llama.cpp f16 b1", "fast bf16 avx2 b1", "llama.cpp f16 b1", None),
 ]

@@ -3,12 +3,13 @@
 Contestants (torch threads fixed, default 2), each generating `--new-tokens` greedy tokens
 per sequence, EOS ignored, timed from the prompt to the last token:
 - `generate()`: transformers' generate on the fp32 model (min_new_tokens = max_new_tokens);
-- our fast runner on the CPU kernels (the variant the CPU picks, named in the output): fp32,
-  bf16, bitsandbytes nf4 and int8 (`--quantize bitsandbytes-nf4` / `bitsandbytes`, compute
-  dtype `--bnb-dtype`), each also with the opt-in int8 lm_head (FastRunnerConfig(int8_head=True):
-  bitsandbytes keeps the lm_head dense); the AVX2 variant forced (TGI_CPU_KERNELS=avx2) where the CPU picks a
-  wider one; the same runners with every op in torch ("torch-mm"; for bnb: bitsandbytes' own
-  ops); optionally fp32 with per-decoder-layer torch.compile (`--compile`);
+- our fast runner on the CPU kernels (the variant chosen for each weight kind, named in the
+  log): fp32, bf16, bitsandbytes nf4 and int8 (`--quantize bitsandbytes-nf4` / `bitsandbytes`,
+  compute dtype `--bnb-dtype`, the lm_head read as int8 as served), each also with the lm_head
+  dense as bitsandbytes keeps it ("dense-head": TGI_QUANTIZED_LM_HEAD=dense); the AVX2 variant
+  forced (TGI_CPU_KERNELS=avx2) where the CPU runs a wider one; the same runners with every op
+  in torch ("torch-mm"; for bnb: bitsandbytes' own ops); optionally fp32 with per-decoder-layer
+  torch.compile (`--compile`);
 - llama.cpp (llama-cpp-python in the benchmark-only venv, a subprocess per round) on the same
   weights: f32, f16, Q8_0 and Q4_K_M GGUFs made with llama.cpp's own quantize tool
   (`llama_model_quantize`) from the GGUF our checkpoint was converted from (its dequantized
@@ -153,8 +154,8 @@ def build_runners(args: argparse.Namespace, path: Path, model: Any) -> dict[str,
         for label, quantize in (("nf4", "bitsandbytes-nf4"), ("int8", "bitsandbytes")):
             quantized = load_model(path, LoadConfig(quantize=quantize, dtype=args.bnb_dtype))
             runners[f"fast {label}"] = FastLlamaRunner(quantized)
-            if not args.no_int8_head:  # the opt-in: the lm_head bnb keeps dense, as weight-only int8
-                runners[f"fast {label} int8-head"] = FastLlamaRunner(quantized, FastRunnerConfig(int8_head=True))
+            if not args.no_dense_head:  # the lm_head as bitsandbytes keeps it (the default reads it as int8)
+                runners[f"fast {label} dense-head"] = FastLlamaRunner(quantized, FastRunnerConfig(int8_head=False))
             if not args.no_torch_mm:
                 runners[f"fast {label} bnb-ops"] = FastLlamaRunner(quantized, FastRunnerConfig(kernels=False))
     if not args.no_torch_mm:  # the same runners with every op in torch: the kernels' share
@@ -179,7 +180,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-generate", action="store_true", help="skip transformers generate()")
     parser.add_argument("--no-bnb", action="store_true", help="skip the bitsandbytes contestants")
     parser.add_argument("--no-torch-mm", action="store_true", help="skip the runners without the CPU kernels")
-    parser.add_argument("--no-int8-head", action="store_true", help="skip the bnb runners with the int8 lm_head")
+    parser.add_argument("--no-dense-head", action="store_true",
+                        help="skip the bnb runners whose lm_head stays dense (as bitsandbytes keeps it)")
     parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args()
 

@@ -86,16 +86,23 @@ class KernelEnv:
             refuses any other value, naming it.
         folder: TGI_KERNEL_DIR, where built variants live (default ~/.cache/tgi-kernels).
         cxx: CXX, the C++ compiler (default c++).
+        quantized_head: TGI_QUANTIZED_LM_HEAD: how a bitsandbytes-quantized model's lm_head (which
+            bitsandbytes keeps dense) is read on the kernels: "int8" (default: weight-only int8 in
+            blocks, as llama.cpp's Q8_0/Q4_K_M files store their output matrix) or "dense".
     """
 
     switch: str
     folder: Path
     cxx: str
+    quantized_head: str = "int8"
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ) -> KernelEnv:
         folder = Path(environ.get("TGI_KERNEL_DIR") or Path.home() / ".cache" / "tgi-kernels")
-        return cls(environ.get("TGI_CPU_KERNELS", "auto"), folder, environ.get("CXX", "c++"))
+        head = environ.get("TGI_QUANTIZED_LM_HEAD", "int8").lower()
+        if head not in ("int8", "dense"):
+            raise ValueError(f"TGI_QUANTIZED_LM_HEAD={head!r} is not one of int8, dense")
+        return cls(environ.get("TGI_CPU_KERNELS", "auto"), folder, environ.get("CXX", "c++"), head)
 
 
 @dataclass(frozen=True)

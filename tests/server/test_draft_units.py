@@ -124,6 +124,21 @@ def test_cost_model_interpolates_and_prefers_cheap_verification() -> None:
     assert tokens_per_cycle(0.5, 2) == pytest.approx(1.75)
 
 
+def test_forwards_of_several_rows_are_priced_from_their_own_measurements() -> None:
+    """4 rows x 2 tokens is not 1 row x 8: with `batched` measurements, each row count has its own
+    ladder, row counts between are interpolated and beyond are extrapolated."""
+    batched = {2: ((1, 2, 4), (1.2, 1.5, 2.0)), 4: ((1, 2, 4), (1.6, 2.6, 4.0))}
+    cost = CostModel((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.3), layer_s=0.03, batched=batched)
+    assert cost.full_s(1, 2) == pytest.approx(1.05) and cost.full_s(4, 2) == pytest.approx(2.6)
+    assert cost.full_s(3, 1) == pytest.approx(1.4) and cost.full_s(8, 1) == pytest.approx(2.4)
+    assert cost.full_s(4, 3) == pytest.approx(3.3)
+    unbatched = CostModel((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.3), layer_s=0.03)
+    assert unbatched.full_s(4, 2) == pytest.approx(1.3)  # priced as one row of 8 tokens
+    # A free draft at 4 rows that pays when priced as one row does not pay with the rows' own costs.
+    assert unbatched.best_free_k(0.5, rows=4)[0] > 0 and cost.best_free_k(0.5, rows=4) == (0, 1.0)
+    assert set(cost.to_json()["batched_ms"]) == {"2", "4"}  # type: ignore[arg-type]
+
+
 def _state(request_id: int, ids: list[int], spec: SpecState | None) -> RequestState:
     return RequestState(id=request_id, all_ids=ids, input_length=len(ids),
                         chooser=NextTokenChooser(SamplingParams()), stopping=StoppingCriteria(8, frozenset()),

@@ -1,16 +1,19 @@
 """The draft/verify cost model of verified mode, measured on the loaded runner.
 
 Design note. Whether drafting pays is arithmetic on three measured costs:
-- a full forward of T new tokens (T = rows x tokens per row): a plain step is T = rows, a
-  verification of k drafts is T = rows x (k + 1). On a memory-bound runner T = 2..8 costs
-  about one step (the weights are streamed once); on one whose multi-token products leave the
-  fast path it costs several. `forward_s` is measured at a ladder of T and interpolated, so a
-  faster multi-token path (the CPU kernels' verification) is picked up by measuring, not coded;
+- a full forward of `rows` rows of t new tokens each: a plain step is t = 1, a verification of
+  k drafts is t = k + 1. On a memory-bound runner rows x t = 2..8 costs about one step (the
+  weights are streamed once); on one whose multi-token products leave the fast path it costs
+  several. It is measured at one row along a ladder of t and at 2 and 4 rows for t = 1..7,
+  and interpolated, so a faster multi-token path (the CPU kernels' verification) is picked up
+  by measuring, not coded. Rows are measured apart because 4 rows x 2 tokens is not 1 row x 8
+  (four KV caches, padding, rows x t beyond the kernels' 16 going to torch's GEMM): priced as
+  one row of 8 tokens, batch-4 drafting looked cheap and lost to plain decoding;
 - a draft forward of a configuration (skipped layers + head size) at 1 and at 4 rows, measured
   for every configuration the policy's rules name, and estimated for others from the measured
   per-layer and lm_head costs;
 - with a per-draft acceptance a, a cycle of k drafts yields (1 - a^(k+1)) / (1 - a) tokens.
-Speed-up of a cycle = tokens x step(rows) / (k x draft(rows) + forward(rows x (k + 1))).
+Speed-up of a cycle = tokens x step(rows) / (k x draft(rows) + forward(rows, k + 1)).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from .runner.base import Runner
 from .runner.kv_cache import KVCache
 
 MAX_DRAFT = 6  # the largest k without --speculate; Info.speculate reports the limit in force
-TOKEN_LADDER = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 28)  # new tokens per measured forward
+TOKEN_LADDER = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 28)  # new tokens per measured forward (one row)
+BATCH_ROWS = (2, 4)  # row counts whose forwards are measured too, at BATCH_TOKENS new tokens per row
+BATCH_TOKENS: tuple[int, ...] = (1, 2, 3, 4, 5, 7)
 DRAFT_ROWS = (1, 4)
 
 DraftKey = tuple[frozenset[int], int]  # (layers bypassed, head size; 0 = the full head)
@@ -54,11 +59,13 @@ class CostModel:
     """Seconds of forwards on the loaded runner (see module docstring).
 
     Attributes:
-        tokens / forward_s: a full forward of `tokens[i]` new tokens takes `forward_s[i]`.
+        tokens / forward_s: a full forward of one row of `tokens[i]` new tokens takes `forward_s[i]`.
         layer_s: what bypassing one layer saves in a one-token forward.
         head_s: the full lm_head's share of a one-token forward.
         vocab_size: rows of the full lm_head.
         drafts: measured draft forwards, (skip, head size) -> seconds at 1 and at 4 rows.
+        batched: rows -> (new tokens per row, seconds) of full forwards of several rows; without
+            it a forward of r rows of t tokens is priced as one row of r x t tokens.
     """
 
     tokens: tuple[int, ...]
@@ -67,6 +74,7 @@ class CostModel:
     head_s: float = 0.0
     vocab_size: int = 1
     drafts: dict[DraftKey, tuple[float, float]] = field(default_factory=dict)
+    batched: dict[int, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
 
     @staticmethod
     def flat(step_s: float, verify_s: tuple[float, ...], layer_s: float) -> CostModel:
@@ -80,10 +88,18 @@ class CostModel:
     @property
     def verify_s(self) -> tuple[float, ...]:
         """Forwards of 1 .. MAX_DRAFT + 1 tokens at batch 1 (for logs and reports)."""
-        return tuple(self.full_s(n) for n in range(1, MAX_DRAFT + 2))
+        return tuple(self.full_s(1, n) for n in range(1, MAX_DRAFT + 2))
 
-    def full_s(self, num_tokens: int) -> float:
-        return max(_interpolate(self.tokens, self.forward_s, num_tokens), 1e-9)
+    def full_s(self, rows: int, tokens: int = 1) -> float:
+        """A full forward of `rows` rows of `tokens` new tokens each."""
+        if not self.batched:
+            return max(_interpolate(self.tokens, self.forward_s, rows * tokens), 1e-9)
+        row_counts = (1, *sorted(self.batched))
+        per_rows = tuple(_interpolate(*self._row_ladder(r), tokens) for r in row_counts)
+        return max(_interpolate(row_counts, per_rows, rows), 1e-9)
+
+    def _row_ladder(self, rows: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        return (self.tokens, self.forward_s) if rows == 1 else self.batched[rows]
 
     def draft_s(self, rows: int, skip: frozenset[int], vocab: int) -> float:
         """One draft forward of `rows` rows with `skip` bypassed and a head of `vocab` rows."""
@@ -99,7 +115,7 @@ class CostModel:
 
     def cycle_s(self, rows: int, num_drafts: int, draft: float, verify_tokens: int) -> float:
         """A cycle: `num_drafts` draft forwards of `draft` s, then verification of `verify_tokens` per row."""
-        return num_drafts * draft + self.full_s(rows * (verify_tokens + 1))
+        return num_drafts * draft + self.full_s(rows, verify_tokens + 1)
 
     def speedup(self, k: int, acceptance: float, num_skipped: int | frozenset[int], vocab: int = 0,
                 rows: int = 1) -> float:
@@ -119,7 +135,7 @@ class CostModel:
 
     def best_free_k(self, acceptance: float, rows: int = 1, max_draft: int = MAX_DRAFT) -> tuple[int, float]:
         """Like best_k for drafts that cost nothing to make (n-gram): 0 when none pays."""
-        speeds = {k: tokens_per_cycle(acceptance, k) * self.full_s(rows) / self.full_s(rows * (k + 1))
+        speeds = {k: tokens_per_cycle(acceptance, k) * self.full_s(rows) / self.full_s(rows, k + 1)
                   for k in range(1, max_draft + 1)}
         k = max(speeds, key=lambda key: speeds[key])
         return (k, speeds[k]) if speeds[k] > 1.0 else (0, 1.0)
@@ -128,6 +144,8 @@ class CostModel:
         return {"forward_ms": {str(t): s * 1000 for t, s in zip(self.tokens, self.forward_s, strict=True)},
                 "step_ms": self.step_s * 1000, "verify_ms": [s * 1000 for s in self.verify_s],
                 "verify_over_step": [s / self.step_s for s in self.verify_s],
+                "batched_ms": {str(rows): {str(t): s * 1000 for t, s in zip(*ladder, strict=True)}
+                               for rows, ladder in self.batched.items()},
                 "layer_ms": self.layer_s * 1000, "head_ms": self.head_s * 1000,
                 "drafts": [{"skip": sorted(skip), "vocab": vocab, "ms_1_row": one * 1000, "ms_4_rows": four * 1000,
                             "draft_over_step": one / self.step_s}
@@ -136,10 +154,12 @@ class CostModel:
     @classmethod
     def measure(cls, runner: Runner, draft_configs: Iterable[DraftKey] = (), heads: DraftHeads | None = None,
                 repeats: int = 3, context: int = 64, max_tokens: int = 4 * (MAX_DRAFT + 1)) -> CostModel:
-        """Time full forwards along TOKEN_LADDER and each draft configuration (medians of repeats)."""
+        """Time full forwards along TOKEN_LADDER (and BATCH_TOKENS at BATCH_ROWS) and each draft
+        configuration (medians of repeats)."""
         timer = _Timer(runner, repeats, context)
         ladder = tuple(t for t in TOKEN_LADDER if t <= max_tokens) or (1, 2)
         forward = tuple(timer.time(1, t) for t in ladder)
+        batched = {rows: (BATCH_TOKENS, tuple(timer.time(rows, t) for t in BATCH_TOKENS)) for rows in BATCH_ROWS}
         half = frozenset(range(1, runner.num_layers - 1, 2))
         layer_s = max(forward[0] - timer.time(1, 1, half), 0.0) / max(len(half), 1)
         lm_head = getattr(runner, "lm_head", None)
@@ -153,7 +173,7 @@ class CostModel:
             weight = head.weight if head is not None else None
             drafts[(skip, vocab)] = (timer.time(1, 1, skip, weight), timer.time(4, 1, skip, weight))
         vocab_size = int(lm_head.shape[0]) if isinstance(lm_head, torch.Tensor) else runner.vocab_size
-        return cls(ladder, forward, layer_s, head_s, vocab_size, drafts)
+        return cls(ladder, forward, layer_s, head_s, vocab_size, drafts, batched)
 
 
 class _Timer:

@@ -169,7 +169,7 @@ class DraftController:
         rows = len(states)
         tokens = sum(self._expected(s, ng, 0) for s, ng in zip(states, plan.ngram, strict=True))
         longest = max(len(ng) for ng in plan.ngram)
-        if tokens / cost.full_s(rows * (longest + 1)) > rows / cost.full_s(rows):
+        if tokens / cost.full_s(rows, longest + 1) > rows / cost.full_s(rows):
             return plan
         return CyclePlan([[] for _ in states], 0, plan.model_rows)
 

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from loguru import logger
 
+from ...env import process_env
 from . import cpu_kernels
 from .fast_weights import ArchSpec, LayerWeights, Projection, norm_weight, read_layer, read_spec, rope_sources
 from .kernel_weights import kernel_layer, log_refusals, weight_kind
@@ -62,14 +63,16 @@ class FastRunnerConfig:
         int8_head: read the lm_head as weight-only int8 (absmax scales per block of 64 weights,
             llama.cpp's Q8_0 idea; quantized here from the loaded weights) on the kernels: 1.06
             bytes per weight instead of 4 (fp32) or 2 (bf16), at the cost of that rounding in
-            every logit (measured in README-runner.md). Off by default: the logits are the model's.
+            every logit (measured in README-runner.md). None (default): on for bitsandbytes
+            models (whose lm_head bitsandbytes keeps dense: 52-73% of a quantized step's bytes)
+            unless TGI_QUANTIZED_LM_HEAD=dense, off for dense models (their logits stay the model's).
     """
 
     dtype: torch.dtype | None = None
     compile: bool = False
     kernels: bool = True
     kernel_switch: str | None = None
-    int8_head: bool = False
+    int8_head: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
@@ -226,7 +229,8 @@ class FastLlamaRunner:
         self.layers: list[LayerWeights] = [read_layer(layer, self.spec, self.dtype) for layer in model.model.layers]
         # The kernels take float32 and bfloat16 (dense or bitsandbytes); decided here once, not per op.
         use_kernels = config.kernels and not config.compile and self.dtype in cpu_kernels.DTYPES
-        ops = cpu_kernels.load(config.kernel_switch, weight_kind(self.layers[0], self.dtype)) if use_kernels else None
+        kind = weight_kind(self.layers[0], self.dtype)
+        ops = cpu_kernels.load(config.kernel_switch, kind) if use_kernels else None
         self.cpu_kernels = ops.variant if ops is not None else "none"
         if ops is not None:
             refusals: dict[str, str] = {}
@@ -243,7 +247,12 @@ class FastLlamaRunner:
                               if ops is not None and self.spec.family == "llama" else None)
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
         self.lm_head = model.lm_head.weight.detach().to(self.dtype)  # tied: the same tensor as embed
-        self.head_projection = (int8_head(ops, self.lm_head) if ops is not None and config.int8_head else None)
+        quantized = kind in ("4bit", "int8") and process_env().kernels.quantized_head == "int8"
+        wants_int8 = config.int8_head if config.int8_head is not None else quantized
+        self.head_projection = int8_head(ops, self.lm_head) if ops is not None and wants_int8 else None
+        if self.head_projection is not None:
+            logger.info(f"{self.name}: the lm_head is read as weight-only int8 (blocks of {INT8_HEAD_BLOCK}; "
+                        "TGI_QUANTIZED_LM_HEAD=dense keeps it dense)")
         self.final_norm = read_final_norm(model, self.spec, self.dtype)
         self.embed_scale = (torch.tensor(self.spec.embed_scale).to(self.dtype)
                             if self.spec.embed_scale is not None else None)
