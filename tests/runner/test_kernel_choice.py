@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from text_generation_server.models.runner import cpu_kernels, kernel_choice
+from text_generation_server.models.runner.kernel_choice import MARGIN
 
 RUNNABLE = [v.name for v in cpu_kernels.runnable_variants()]
 needs_two = pytest.mark.skipif(len(RUNNABLE) < 2, reason=f"this CPU runs {len(RUNNABLE)} kernel variant(s): "
@@ -20,6 +21,8 @@ def _loaders() -> dict[str, functools.partial]:
 
 
 def test_a_narrower_variant_must_beat_the_wider_ones_by_the_margin() -> None:
+    timings = {"a": {1: 1.0, 8: 4.0}, "b": {1: 0.9, 8: 8.0}}  # b: 10% faster at 1 row, 2x slower at 8
+    assert kernel_choice.scores(timings) == {"a": pytest.approx((1 / 0.9 + 1) / 2), "b": pytest.approx(1.5)}
     widest_first = ["avx512_bf16", "avx512", "avx2"]
     assert kernel_choice.pick({"avx512_bf16": 1.0, "avx512": 0.99, "avx2": 0.98}, widest_first) == "avx512_bf16"
     assert kernel_choice.pick({"avx512_bf16": 1.0, "avx512": 0.96, "avx2": 0.95}, widest_first) == "avx512"
@@ -30,10 +33,12 @@ def test_a_narrower_variant_must_beat_the_wider_ones_by_the_margin() -> None:
 @needs_two
 def test_measured_once_then_remembered_per_cpu(tmp_path: Path) -> None:
     name, why = kernel_choice.choose(tmp_path, "cpu A", "int8", _loaders())
-    assert name in RUNNABLE and why.startswith("fastest of a synthetic decode step, measured now")
+    assert name in RUNNABLE and why.startswith("fastest on synthetic decode steps (1 / 8 rows), measured now")
     saved = json.loads((tmp_path / kernel_choice.CHOICES_FILE).read_text())
     entry = saved["cpu A"]["int8"]
-    assert entry["variant"] == name and set(entry["ms"]) == set(RUNNABLE) and all(v > 0 for v in entry["ms"].values())
+    assert entry["variant"] == name and set(entry["ms"]) == set(RUNNABLE) == set(entry["score"])
+    assert all(ms > 0 for by_rows in entry["ms"].values() for ms in by_rows.values())
+    assert min(entry["score"].values()) >= 1.0 and entry["score"][name] <= min(entry["score"].values()) / MARGIN
     # What is remembered is read back as it is (here: made to name another variant).
     other = next(v for v in RUNNABLE if v != name)
     saved["cpu A"]["int8"]["variant"] = other

@@ -6,7 +6,9 @@ executed as two 256-bit halves) a decode step of the default model measured, per
 nf4 avx512 10.4, avx2 12.3 (vpermps decodes 4-bit codes in one instruction). So, as FFTW keeps
 "wisdom", the variant for `TGI_CPU_KERNELS=auto` is chosen by timing each runnable variant on
 a synthetic decode step of that weight kind (decoder layers of one shape whose weights exceed
-the last-level cache, one new token, interleaved rounds, medians) and remembered in
+the last-level cache, one new token for 1 and for 8 rows, interleaved rounds, medians; the score
+is the mean of each row count's time relative to the fastest variant's: LLM.int8() on avx2 ties
+at one row and loses at eight, where VNNI's dot products count) and remembered in
 `choices.json` in the build folder, keyed by the CPU model and flags. `build-kernels` measures
 every kind at install time, so every process on a machine reads the same choice (the numerics
 of variants differ in the order of fp32 sums, and two processes of one server must agree); a
@@ -39,11 +41,15 @@ WEIGHT_BYTES = 96 << 20  # weights per synthetic step: beyond the last-level cac
 HIDDEN, INTER, HEADS, KV_HEADS, DIM, CONTEXT = 576, 1536, 9, 3, 64, 64
 BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "4bit": 0.5625, "int8": 1.0}
 NF4_LIKE = torch.linspace(-1.0, 1.0, 16)
+ROWS = (1, 8)  # batch sizes of the synthetic steps
+
+
+METHOD = "synthetic decode steps of 1 and 8 rows"  # part of the key: a new method measures again
 
 
 def cpu_signature(flags: set[str], model_name: str) -> str:
     interesting = sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "amx")))
-    return f"{model_name} | {' '.join(interesting)}"
+    return f"{model_name} | {' '.join(interesting)} | {METHOD}"
 
 
 def cpu_model_name() -> str:
@@ -76,12 +82,13 @@ class _SyntheticStep:
         norm = torch.ones(HIDDEN, dtype=self.dtype)
         self.layers = [_Layer(norm, *(self._projection(n, k, generator) for n, k in shapes.values()))
                        for _ in range(num_layers)]
-        self.keys = torch.randn(1, KV_HEADS, CONTEXT + 1, DIM, generator=generator).to(self.dtype)
-        self.values = torch.randn(1, KV_HEADS, CONTEXT + 1, DIM, generator=generator).to(self.dtype)
-        self.cos = torch.ones(1, 1, 1, DIM, dtype=self.dtype)
-        self.sin = torch.zeros(1, 1, 1, DIM, dtype=self.dtype)
-        self.mask = torch.zeros(1, 1, 1, CONTEXT + 1, dtype=self.dtype)
-        self.h = torch.randn(1, 1, HIDDEN, generator=generator).to(self.dtype) * 0.1
+        rows = max(ROWS)
+        self.keys = torch.randn(rows, KV_HEADS, CONTEXT + 1, DIM, generator=generator).to(self.dtype)
+        self.values = torch.randn(rows, KV_HEADS, CONTEXT + 1, DIM, generator=generator).to(self.dtype)
+        self.cos = torch.ones(rows, 1, 1, DIM, dtype=self.dtype)
+        self.sin = torch.zeros(rows, 1, 1, DIM, dtype=self.dtype)
+        self.mask = torch.zeros(rows, 1, 1, CONTEXT + 1, dtype=self.dtype)
+        self.h = torch.randn(rows, 1, HIDDEN, generator=generator).to(self.dtype) * 0.1
 
     def _projection(self, n: int, k: int, generator: torch.Generator) -> Projection:
         factory = self.ops.Projection
@@ -93,36 +100,45 @@ class _SyntheticStep:
             return factory.int8(codes, torch.full((n,), 0.05), None, 6.0)
         return factory.dense((torch.randn(n, k, generator=generator) / k**0.5).to(self.dtype), None)
 
-    def __call__(self) -> None:
-        h = self.h
+    def __call__(self, rows: int) -> None:
+        h = self.h[:rows]
+        keys, values, cos, sin, mask = (t[:rows] for t in (self.keys, self.values, self.cos, self.sin, self.mask))
         for layer in self.layers:
             h = self.ops.decode_layer(h, layer.norm, layer.qkv, layer.o_proj, layer.norm, layer.gate_up, layer.down,
-                                      self.keys, self.values, CONTEXT,
-                                      self.cos, self.sin, self.mask, HEADS, KV_HEADS, 1e-5, DIM**-0.5)
+                                      keys, values, CONTEXT, cos, sin, mask, HEADS, KV_HEADS, 1e-5, DIM**-0.5)
 
 
-def measure(modules: dict[str, CpuOps], kind: str, rounds: int = 3, steps: int = 5) -> dict[str, float]:
-    """Median seconds of a synthetic decode step of `kind` per variant (interleaved rounds)."""
+def measure(modules: dict[str, CpuOps], kind: str, rounds: int = 3, steps: int = 5) -> dict[str, dict[int, float]]:
+    """Median seconds of a synthetic decode step of `kind` per variant and row count (interleaved)."""
     layer_weights = (HIDDEN * (HEADS + 2 * KV_HEADS) * DIM + HEADS * DIM * HIDDEN + 3 * INTER * HIDDEN)
     num_layers = max(1, int(WEIGHT_BYTES / (layer_weights * BYTES_PER_WEIGHT[kind])))
     stepper = {name: _SyntheticStep(ops, kind, num_layers, seed=7) for name, ops in modules.items()}
-    samples: dict[str, list[float]] = {name: [] for name in stepper}
+    samples: dict[str, dict[int, list[float]]] = {name: {rows: [] for rows in ROWS} for name in stepper}
     for step in stepper.values():  # first-call allocations
-        step()
+        for rows in ROWS:
+            step(rows)
     for _ in range(rounds):
         for name, step in stepper.items():
-            for _ in range(steps):
-                start = time.perf_counter()
-                step()
-                samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+            for rows in ROWS:
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    step(rows)
+                    samples[name][rows].append(time.perf_counter() - start)
+    return {name: {rows: statistics.median(values) for rows, values in by_rows.items()}
+            for name, by_rows in samples.items()}
 
 
-def pick(timings: dict[str, float], widest_first: list[str]) -> str:
-    """The fastest variant, where a narrower one must beat every wider one by MARGIN."""
+def scores(timings: dict[str, dict[int, float]]) -> dict[str, float]:
+    """Per variant, the mean over row counts of its time relative to the fastest variant's (1.0: fastest at all)."""
+    fastest = {rows: min(t[rows] for t in timings.values()) for rows in ROWS}
+    return {name: statistics.mean(t[rows] / fastest[rows] for rows in ROWS) for name, t in timings.items()}
+
+
+def pick(score: dict[str, float], widest_first: list[str]) -> str:
+    """The lowest score, where a narrower variant must beat every wider one by MARGIN."""
     best = widest_first[0]
     for name in widest_first[1:]:
-        if timings[name] <= MARGIN * timings[best]:
+        if score[name] <= MARGIN * score[best]:
             best = name
     return best
 
@@ -143,16 +159,18 @@ def choose(folder: Path, signature: str, kind: str, loaders: Mapping[str, Callab
     path = folder / CHOICES_FILE
     remembered = _read(path).get(signature, {}).get(kind)
     if isinstance(remembered, dict) and remembered.get("variant") in names:
-        return remembered["variant"], _describe(remembered.get("ms", {}), "measured at install")
+        return remembered["variant"], _describe(remembered, "measured at install")
     modules = {name: load() for name, load in loaders.items()}  # built (under the lock) before taking it
     with kernel_build.locked(folder):
         remembered = _read(path).get(signature, {}).get(kind)  # another process may have measured it
         if isinstance(remembered, dict) and remembered.get("variant") in names:
-            return remembered["variant"], _describe(remembered.get("ms", {}), "measured at install")
+            return remembered["variant"], _describe(remembered, "measured at install")
         timings = measure(modules, kind)
-        variant = pick(timings, names)
-        ms = {name: round(seconds * 1e3, 3) for name, seconds in timings.items()}
-        entry = {"variant": variant, "ms": ms, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        score = scores(timings)
+        variant = pick(score, names)
+        ms = {name: {str(rows): round(seconds * 1e3, 3) for rows, seconds in by_rows.items()}
+              for name, by_rows in timings.items()}
+        entry = {"variant": variant, "score": score, "ms": ms, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
         data = _read(path)
         data.setdefault(signature, {})[kind] = entry
         try:
@@ -160,9 +178,13 @@ def choose(folder: Path, signature: str, kind: str, loaders: Mapping[str, Callab
         except OSError as error:
             logger.warning(f"CPU kernels: cannot remember the measured choice in {path} ({error}); "
                            "each process measures again")
-    return variant, _describe(ms, "measured now")
+    return variant, _describe(entry, "measured now")
 
 
-def _describe(ms: dict[str, float], when: str) -> str:
-    parts = ", ".join(f"{name} {value:.1f} ms" for name, value in ms.items())
-    return f"fastest of a synthetic decode step, {when}: {parts}" if parts else f"fastest, {when}"
+def _describe(entry: dict[str, Any], when: str) -> str:
+    """e.g. 'fastest on synthetic decode steps (1 / 8 rows), measured now: avx2 4.1 / 9.8 ms, ...'"""
+    ms = entry.get("ms", {})
+    parts = ", ".join(f"{name} {' / '.join(f'{float(v):.1f}' for v in by_rows.values())} ms"
+                      for name, by_rows in ms.items() if isinstance(by_rows, dict))
+    rows = " / ".join(str(r) for r in ROWS)
+    return f"fastest on synthetic decode steps ({rows} rows), {when}: {parts}" if parts else f"fastest, {when}"
