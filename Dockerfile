@@ -28,7 +28,9 @@ COPY policies /opt/tgi-policies
 # g++ is there only to compile the fast runner's CPU kernels (every ISA variant: the image runs
 # on hosts with AVX2 or AVX-512, each importing the variant its CPU has) into /opt/tgi-kernels
 # (install.sh runs `text-generation-server build-kernels`); the second build-kernels fails the
-# image build when that did not work, and g++ is removed again.
+# image build when that did not work, and g++ is removed again. build-kernels also times the
+# variants on the build host (choices.json, keyed by its CPU); a host with another CPU times them
+# at each process start instead (~2 s; the folder is read-only, so nothing is remembered).
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \

@@ -54,6 +54,9 @@ def test_a_folder_it_cannot_write_still_chooses(tmp_path: Path) -> None:
     """The choice cannot be remembered (here: the folder is not there): measured, used, logged."""
     name, why = kernel_choice.choose(tmp_path / "missing", "cpu A", "float32", _loaders())
     assert name in RUNNABLE and "measured now" in why
+    (tmp_path / "a-file").write_text("")  # not even the lock can be taken (an image's read-only folder)
+    name, why = kernel_choice.choose(tmp_path / "a-file" / "kernels", "cpu A", "float32", _loaders())
+    assert name in RUNNABLE and "measured now" in why
 
 
 def test_a_single_runnable_variant_is_taken_without_measuring(tmp_path: Path) -> None:

@@ -227,8 +227,8 @@ def _load(switch: str, kind: str) -> CpuOps | None:
             name, why = choice.name, f"forced by {ENV_SWITCH}"
             if switch == "auto":
                 candidates = {v.name: functools.partial(load_variant, v.name) for v in runnable_variants()}
-                name, why = kernel_choice.choose(build(), kernel_choice.cpu_signature(cpu_flags(),
-                                                 kernel_choice.cpu_model_name()), kind, candidates)
+                signature = kernel_choice.cpu_signature(cpu_flags(), kernel_choice.cpu_model_name())
+                name, why = kernel_choice.choose(build_dir(), signature, kind, candidates)
             ops = load_variant(name)
             logger.info(f"CPU kernels for {kind} weights: the {name} variant ({', '.join(BY_NAME[name].cpu_flags)}; "
                         f"{why})")

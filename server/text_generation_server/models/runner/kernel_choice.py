@@ -19,6 +19,7 @@ must be 3% faster than a wider one to be chosen, so that noise does not flip the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -161,7 +162,7 @@ def choose(folder: Path, signature: str, kind: str, loaders: Mapping[str, Callab
     if isinstance(remembered, dict) and remembered.get("variant") in names:
         return remembered["variant"], _describe(remembered, "measured at install")
     modules = {name: load() for name, load in loaders.items()}  # built (under the lock) before taking it
-    with kernel_build.locked(folder):
+    with _lock_if_possible(folder):
         remembered = _read(path).get(signature, {}).get(kind)  # another process may have measured it
         if isinstance(remembered, dict) and remembered.get("variant") in names:
             return remembered["variant"], _describe(remembered, "measured at install")
@@ -179,6 +180,17 @@ def choose(folder: Path, signature: str, kind: str, loaders: Mapping[str, Callab
             logger.warning(f"CPU kernels: cannot remember the measured choice in {path} ({error}); "
                            "each process measures again")
     return variant, _describe(entry, "measured now")
+
+
+def _lock_if_possible(folder: Path) -> contextlib.AbstractContextManager[object]:
+    """The build folder's lock, or none where it cannot be taken (an image's read-only folder)."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with open(folder.parent / f"{folder.name}.lock", "a"):
+            pass
+    except OSError:
+        return contextlib.nullcontext()
+    return kernel_build.locked(folder)
 
 
 def _describe(entry: dict[str, Any], when: str) -> str:
