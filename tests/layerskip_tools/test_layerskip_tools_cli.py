@@ -216,6 +216,8 @@ def test_calibrate_verified_writes_draft_rules_with_evidence(work: dict[str, Pat
     assert {r["class"] for r in table} == classes and len(table) == len(classes) * 2 * 2
     assert all(0.0 <= r["acceptance"] <= 1.0 and r["speedup"] > 0 for r in table)
     assert [len(s) for s in evidence["skip_sets"]] == [2, 4] and evidence["cost_model"]["step_ms"] > 0
+    assert set(evidence["cost_model"]["batched_ms"]) == {"2", "4"}  # verification priced per row count
+    assert "cross-fitted" in evidence["draft_vocab_scoring"]
     assert out.with_name("policy.frontier.png").stat().st_size > 1000
     aligned = load_policy(out, IdentityMap.from_model(model))
     assert aligned.table.default.skip == frozenset(evidence["default"]["skip"])

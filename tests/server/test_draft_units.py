@@ -161,6 +161,22 @@ def test_plan_cycle_uses_copies_first_and_drafts_only_when_it_pays() -> None:
     assert not cycle.drafts_anything  # verification costs 3 steps: plain decoding is faster
 
 
+def test_a_request_s_own_drafts_count_once() -> None:
+    """Its rule's estimate without the request's own counts is the prior of the request's estimate,
+    and its first cycles are judged by that prior alone (one rejected first draft used to take a
+    0.73 prior to 0.47 and stop drafting for good)."""
+    cost = CostModel((1, 2, 4, 8), (1.0, 1.0, 1.05, 1.2), layer_s=0.03)
+    controller = DraftController(lambda: cost, max_draft=4, ngram=False)
+    controller.rule("r", 0.734)
+    state = _state(1, [1, 2, 3], SpecState(rule="r", skip=frozenset({1, 2})))
+    controller.record(state, "model", 1, 0)
+    assert state.spec is not None and controller.acceptance(state.spec) == pytest.approx(0.734)
+    controller.record(state, "model", 1, 0)  # its own two rejections over the rule's 0.734 (weight 4)
+    assert controller.acceptance(state.spec) == pytest.approx(0.734 * 4 / 6)
+    other = _state(2, [1, 2, 3], SpecState(rule="r", skip=frozenset({1, 2})))
+    assert other.spec is not None and controller.acceptance(other.spec) == pytest.approx(0.734 * 4 / 6)
+
+
 def test_a_rule_that_does_not_pay_is_switched_off_and_probed() -> None:
     skip = frozenset({1, 2})
     cost = CostModel((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.3), layer_s=0.1)

@@ -26,6 +26,7 @@ from .verified import (
     Scored,
     build_policy,
     choose_rules,
+    cross_fitted,
     detector_value,
     heads_for,
     measure_runs,
@@ -148,7 +149,7 @@ def calibrate_verified(engine: Engine, prompt_set: PromptSet, calibration: list[
     vocab = ranking(runs, engine, vocab_size)
     note("calibrate: measuring the cost model on the runner ...")
     cost = _cost(engine, skip_sets, config, vocab)
-    scored = score(runs, skip_sets, config.sizes, vocab, cost)
+    scored = score(runs, skip_sets, config.sizes, cross_fitted(runs, engine, vocab_size), cost)
     default, rules = choose_rules(runs, scored)
     table = policy_table(engine.num_layers, skip_sets, scored, default, rules)
     held = measure_runs(engine, heldout, skip_sets, config.new_tokens, "calibrate: held-out") if heldout else []
@@ -158,6 +159,8 @@ def calibrate_verified(engine: Engine, prompt_set: PromptSet, calibration: list[
         "objective": LayerSkipMode.VERIFIED.value, "verify_cost": config.verify_cost, "layer_order": order,
         "skip_sets": [sorted(s) for s in skip_sets], "vocab_sizes": list(config.sizes),
         "new_tokens": config.new_tokens, "cost_model": cost.to_json(), "draft_vocab_source": vocab.source,
+        "draft_vocab_scoring": "calibration split: each prompt's reduced head ranked on the other half of the "
+                               "prompts (cross-fitted); held-out: ranked on the whole calibration split",
         "default": {"skip": sorted(skip_sets[default[0]]), "vocab": default[1]},
         "rules": [{"name": n, "when": c.to_json(), "skip": sorted(skip_sets[k[0]]), "vocab": k[1]}
                   for c, k, n in rules],

@@ -130,6 +130,15 @@ def _score_ngrams(run: PromptRun, prompt_ids: list[int]) -> None:
         t += step
 
 
+def cross_fitted(runs: list[PromptRun], engine: Engine, vocab_size: int) -> list[DraftVocab]:
+    """Per prompt, the vocabulary ranked on the other half of the prompts (alternate halves), so
+    that a reduced head's acceptance on a calibration prompt is measured on text that did not
+    rank it. Ranked on every prompt, a head scored +1-2% on the calibration split and lost 10-14%
+    on the held-out one (1.5B, 8192 words: code completion 0.92 -> 0.74 with 10 layers skipped)."""
+    halves = [ranking(runs[1 - h::2], engine, vocab_size) for h in (0, 1)]
+    return [halves[p % 2] for p in range(len(runs))]
+
+
 def ranking(runs: list[PromptRun], engine: Engine, vocab_size: int) -> DraftVocab:
     """Token ids by count in the prompts and continuations, then the rest by id (draft.py)."""
     counts: dict[int, int] = {}
@@ -152,14 +161,17 @@ class Scored:
     speed: dict[Config, list[float]]
 
 
-def score(runs: list[PromptRun], skip_sets: Sequence[frozenset[int]], sizes: Sequence[int], vocab: DraftVocab,
-          cost: CostModel) -> Scored:
+def score(runs: list[PromptRun], skip_sets: Sequence[frozenset[int]], sizes: Sequence[int],
+          vocabs: DraftVocab | Sequence[DraftVocab], cost: CostModel) -> Scored:
+    """Acceptance and best speed-up per prompt and configuration. `vocabs`: one ranking for every
+    prompt (held-out prompts: ranked on the calibration split), or one per prompt (cross_fitted)."""
     acceptance: dict[Config, list[float]] = {}
     speed: dict[Config, list[float]] = {}
+    per_run = [vocabs] * len(runs) if isinstance(vocabs, DraftVocab) else list(vocabs)
     for i, skip in enumerate(skip_sets):
         for size in sizes:
-            head = None if size == 0 else set(vocab.token_ids[:size])
-            values = [r.acceptance(i, head) for r in runs]
+            values = [r.acceptance(i, None if size == 0 else set(v.token_ids[:size]))
+                      for r, v in zip(runs, per_run, strict=True)]
             acceptance[(i, size)] = values
             speed[(i, size)] = [cost.best_k(a, skip, size)[1] for a in values]
     return Scored(acceptance, speed)

@@ -153,35 +153,54 @@ class CostModel:
 
     @classmethod
     def measure(cls, runner: Runner, draft_configs: Iterable[DraftKey] = (), heads: DraftHeads | None = None,
-                repeats: int = 3, context: int = 64, max_tokens: int = 4 * (MAX_DRAFT + 1)) -> CostModel:
+                repeats: int = 5, context: int = 64, max_tokens: int = 4 * (MAX_DRAFT + 1)) -> CostModel:
         """Time full forwards along TOKEN_LADDER (and BATCH_TOKENS at BATCH_ROWS) and each draft
-        configuration (medians of repeats)."""
+        configuration: medians of `repeats` interleaved rounds (a slow phase of a shared machine
+        then moves every figure alike instead of one, which decided whether drafting paid)."""
         timer = _Timer(runner, repeats, context)
         ladder = tuple(t for t in TOKEN_LADDER if t <= max_tokens) or (1, 2)
-        forward = tuple(timer.time(1, t) for t in ladder)
-        batched = {rows: (BATCH_TOKENS, tuple(timer.time(rows, t) for t in BATCH_TOKENS)) for rows in BATCH_ROWS}
+        forward = [timer.add(1, t) for t in ladder]
+        batched = {rows: [timer.add(rows, t) for t in BATCH_TOKENS] for rows in BATCH_ROWS}
         half = frozenset(range(1, runner.num_layers - 1, 2))
-        layer_s = max(forward[0] - timer.time(1, 1, half), 0.0) / max(len(half), 1)
+        without_half = timer.add(1, 1, half)
         lm_head = getattr(runner, "lm_head", None)
-        head_s = 0.0
-        if isinstance(lm_head, torch.Tensor):
-            tiny = lm_head[:64].contiguous()
-            head_s = max(forward[0] - timer.time(1, 1, head=tiny), 0.0)
-        drafts: dict[DraftKey, tuple[float, float]] = {}
+        tiny_head = timer.add(1, 1, head=lm_head[:64].contiguous()) if isinstance(lm_head, torch.Tensor) else None
+        drafts: dict[DraftKey, tuple[int, int]] = {}
         for skip, vocab in dict.fromkeys(draft_configs):
             head = heads.get(vocab) if heads is not None else None
             weight = head.weight if head is not None else None
-            drafts[(skip, vocab)] = (timer.time(1, 1, skip, weight), timer.time(4, 1, skip, weight))
+            drafts[(skip, vocab)] = (timer.add(1, 1, skip, weight), timer.add(4, 1, skip, weight))
+        seconds = timer.run()
+        step = seconds[forward[0]]
+        layer_s = max(step - seconds[without_half], 0.0) / max(len(half), 1)
+        head_s = max(step - seconds[tiny_head], 0.0) if tiny_head is not None else 0.0
         vocab_size = int(lm_head.shape[0]) if isinstance(lm_head, torch.Tensor) else runner.vocab_size
-        return cls(ladder, forward, layer_s, head_s, vocab_size, drafts, batched)
+        return cls(ladder, tuple(seconds[p] for p in forward), layer_s, head_s, vocab_size,
+                   {key: (seconds[one], seconds[four]) for key, (one, four) in drafts.items()},
+                   {rows: (BATCH_TOKENS, tuple(seconds[p] for p in probes)) for rows, probes in batched.items()})
 
 
 class _Timer:
-    """Median time of one forward of `new` tokens per row after a `context`-token prefix."""
+    """Forwards of `new` tokens per row after a `context`-token prefix, added as probes and timed in
+    interleaved rounds: each probe once per round (forwards of more than 8 tokens, which only set
+    the slope, in the first round only); the median of each."""
 
     def __init__(self, runner: Runner, repeats: int, context: int) -> None:
         self.runner, self.repeats, self.context = runner, repeats, context
         self.caches: dict[int, KVCache] = {}  # one prefilled context per row count (a prefill is costly)
+        self.probes: list[tuple[int, int, frozenset[int], torch.Tensor | None]] = []
+
+    def add(self, rows: int, new: int, skip: frozenset[int] = frozenset(), head: torch.Tensor | None = None) -> int:
+        self.probes.append((rows, new, skip, head))
+        return len(self.probes) - 1
+
+    def run(self) -> list[float]:
+        samples: list[list[float]] = [[] for _ in self.probes]
+        for round_ in range(self.repeats):
+            for probe, (rows, new, skip, head) in enumerate(self.probes):
+                if round_ == 0 or rows * new <= 8:
+                    samples[probe].append(self.time(rows, new, skip, head))
+        return [sorted(values)[len(values) // 2] for values in samples]
 
     def _cache(self, rows: int) -> KVCache:
         cache = self.caches.get(rows)
@@ -193,17 +212,12 @@ class _Timer:
             self.runner.forward(ids, torch.arange(context).repeat(rows, 1), mask, cache)
         return cache
 
-    def time(self, rows: int, new: int, skip: frozenset[int] = frozenset(), head: torch.Tensor | None = None) -> float:
+    def time(self, rows: int, new: int, skip: frozenset[int], head: torch.Tensor | None) -> float:
         runner, context = self.runner, self.context
-        times = []
-        repeats = self.repeats if rows * new <= 8 else 1  # the large forwards only set the slope
         cache = self._cache(rows)
-        for _ in range(repeats):
-            cache.crop(context)
-            start = time.perf_counter()
-            runner.forward(torch.zeros((rows, new), dtype=torch.long),
-                           torch.arange(context, context + new).repeat(rows, 1),
-                           torch.ones((rows, context + new), dtype=torch.long), cache, last_only=False,
-                           skip_layers=skip, head=head)
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
+        cache.crop(context)
+        start = time.perf_counter()
+        runner.forward(torch.zeros((rows, new), dtype=torch.long), torch.arange(context, context + new).repeat(rows, 1),
+                       torch.ones((rows, context + new), dtype=torch.long), cache, last_only=False, skip_layers=skip,
+                       head=head)
+        return time.perf_counter() - start

@@ -71,8 +71,10 @@ class RuleRecord:
     disabled: bool = False
     admitted_while_disabled: int = 0
 
-    def estimate(self) -> float:
-        return self.counts.estimate(self.prior, REQUEST_PRIOR_WEIGHT)
+    def estimate(self, excluding: Counts | None = None) -> float:
+        """Pooled acceptance, optionally without one request's own counts (its prior)."""
+        counts = self.counts if excluding is None else self.counts.without(excluding)
+        return counts.estimate(self.prior, REQUEST_PRIOR_WEIGHT)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.counts.record(drafted, accepted)
@@ -120,7 +122,15 @@ class DraftController:
         return record.admitted_while_disabled % PROBE_EVERY == 0
 
     def acceptance(self, spec: SpecState) -> float:
-        prior = self.rules[spec.rule].estimate() if spec.rule in self.rules else UNKNOWN_PRIOR
+        """The request's per-draft acceptance: its own counts over its rule's pooled estimate from
+        other requests (counting its drafts in both made one rejection weigh twice: a first draft
+        rejected took a 0.73 prior to 0.47, below the pay line, and the request never drafted
+        again to learn otherwise). Until it has MIN_CYCLES_BEFORE_AUTO_OFF cycles of its own (the
+        same number auto-off waits for), the rule's estimate alone."""
+        record = self.rules.get(spec.rule)
+        prior = record.estimate(excluding=spec.model) if record is not None else UNKNOWN_PRIOR
+        if spec.model.cycles < MIN_CYCLES_BEFORE_AUTO_OFF:
+            return prior
         return spec.model.estimate(prior, REQUEST_PRIOR_WEIGHT)
 
     def plan_cycle(self, states: list[RequestState], draft_skip: frozenset[int]) -> CyclePlan:

@@ -62,6 +62,11 @@ class Counts:
         self.accepted += accepted
         self.rejections += int(accepted < drafted)
 
+    def without(self, other: Counts) -> Counts:
+        """These counts less another's that they include (floored at zero: pooled counts decay)."""
+        return Counts(max(self.cycles - other.cycles, 0), max(self.drafted - other.drafted, 0),
+                      max(self.accepted - other.accepted, 0), max(self.rejections - other.rejections, 0))
+
     def estimate(self, prior: float, weight: float = 2.0) -> float:
         """Per-draft acceptance (geometric model: each accepted draft a success, each cycle that
         stopped early a failure), with `weight` pseudo-observations at `prior`."""
