@@ -133,12 +133,13 @@ class CostModel:
         k = max(speeds, key=lambda key: speeds[key])
         return k, speeds[k]
 
-    def best_free_k(self, acceptance: float, rows: int = 1, max_draft: int = MAX_DRAFT) -> tuple[int, float]:
-        """Like best_k for drafts that cost nothing to make (n-gram): 0 when none pays."""
+    def best_free_k(self, acceptance: float, rows: int = 1, max_draft: int = MAX_DRAFT,
+                    min_gain: float = 1.0) -> tuple[int, float]:
+        """Like best_k for drafts that cost nothing to make (n-gram): 0 when none beats min_gain."""
         speeds = {k: tokens_per_cycle(acceptance, k) * self.full_s(rows) / self.full_s(rows, k + 1)
                   for k in range(1, max_draft + 1)}
         k = max(speeds, key=lambda key: speeds[key])
-        return (k, speeds[k]) if speeds[k] > 1.0 else (0, 1.0)
+        return (k, speeds[k]) if speeds[k] > min_gain else (0, 1.0)
 
     def to_json(self) -> dict[str, object]:
         return {"forward_ms": {str(t): s * 1000 for t, s in zip(self.tokens, self.forward_s, strict=True)},

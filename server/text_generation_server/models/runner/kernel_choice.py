@@ -9,7 +9,7 @@ a synthetic decode step of that weight kind (decoder layers of one shape whose w
 the last-level cache, one new token for 1 and for 8 rows, interleaved rounds, medians; the score
 is the mean of each row count's time relative to the fastest variant's: LLM.int8() on avx2 ties
 at one row and loses at eight, where VNNI's dot products count) and remembered in
-`choices.json` in the build folder, keyed by the CPU model and flags. `build-kernels` measures
+`choices.json` in the build folder, keyed by the CPU model, its flags and METHOD. `build-kernels` measures
 every kind at install time, so every process on a machine reads the same choice (the numerics
 of variants differ in the order of fp32 sums, and two processes of one server must agree); a
 process whose CPU has no entry (an image built on another host) measures the kind it needs
@@ -43,8 +43,6 @@ HIDDEN, INTER, HEADS, KV_HEADS, DIM, CONTEXT = 576, 1536, 9, 3, 64, 64
 BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "4bit": 0.5625, "int8": 1.0}
 NF4_LIKE = torch.linspace(-1.0, 1.0, 16)
 ROWS = (1, 8)  # batch sizes of the synthetic steps
-
-
 METHOD = "synthetic decode steps of 1 and 8 rows"  # part of the key: a new method measures again
 
 
