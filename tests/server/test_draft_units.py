@@ -152,12 +152,20 @@ def test_plan_cycle_uses_copies_first_and_drafts_only_when_it_pays() -> None:
     controller.rule("r", 0.9)
     copying = _state(1, [4, 5, 6, 7, 4, 5], SpecState(rule="r", skip=skip))
     drafting = _state(2, [1, 2, 3], SpecState(rule="r", skip=skip))
-    cycle = controller.plan_cycle([copying, drafting], skip)
+    cycle = controller.plan_cycle([copying, drafting])
     assert cycle.ngram[0] and cycle.ngram[0] == [6, 7, 4, 5][: len(cycle.ngram[0])] and cycle.ngram[1] == []
-    assert cycle.model_k >= 2 and cycle.model_rows == [False, True]
+    assert cycle.model_k >= 2 and cycle.model_rows == [False, True] and cycle.skip == skip
+    # Rows whose rules bypass different layers share one draft forward: the layers both bypass.
+    wider = _state(3, [1, 2, 3], SpecState(rule="r", skip=frozenset({1, 2, 3})))
+    assert controller.plan_cycle([copying, wider]).skip == {1, 2, 3}
+    cycle = controller.plan_cycle([copying, drafting, wider])
+    assert cycle.skip == skip and cycle.model_rows == [False, True, True]
+    drafting.spec.auto_off = True  # type: ignore[union-attr]
+    assert controller.plan_cycle([copying, drafting, wider]).skip == {1, 2, 3}
+    drafting.spec.auto_off = False  # type: ignore[union-attr]
     costly = CostModel((1, 2, 4, 8), (1.0, 3.0, 4.0, 8.0), layer_s=0.2)
     controller.costs = lambda: costly
-    cycle = controller.plan_cycle([copying, drafting], skip)
+    cycle = controller.plan_cycle([copying, drafting])
     assert not cycle.drafts_anything  # verification costs 3 steps: plain decoding is faster
 
 

@@ -20,7 +20,7 @@ from .plan_groups import GroupKey, PlanGroup
 from .runner.kv_cache import KVCache
 from .speculative import SpecState
 
-NO_SKIP: GroupKey = (frozenset(), frozenset())
+NO_SKIP: GroupKey = frozenset()
 
 
 @dataclass
@@ -262,30 +262,9 @@ class CausalLMBatch:
         by_key: dict[GroupKey, list[PlanGroup]] = {}
         for b in batches:
             for g in b.groups:
-                by_key.setdefault(g.key, []).append(g)
+                by_key.setdefault(g.skip, []).append(g)
         groups = [PlanGroup.concatenate(gs) if len(gs) > 1 else gs[0] for gs in by_key.values()]
         first = batches[0]
         out = cls(first.batch_id, [s for b in batches for s in b.requests], groups, first.num_layers, first.pad_id)
         out.max_tokens = out._estimate_max_tokens()
         return out
-
-    def move(self, request_ids: list[int], key: GroupKey) -> None:
-        """Move prefilled rows into the group of `key` (created if absent); same cache layers only."""
-        moving = set(request_ids)
-        moved = []
-        for group in list(self.groups):
-            ids = [rid for rid in group.request_ids if rid in moving]
-            if not ids:
-                continue
-            assert group.skip == key[0], "rows move only between groups that cache the same layers"
-            if len(ids) == group.num_rows:
-                self.groups.remove(group)
-                group.draft_skip = key[1]
-                moved.append(group)
-            else:
-                moved.append(group.split(ids, key))
-        target = [g for g in self.groups if g.key == key]
-        if target:
-            self.groups.remove(target[0])
-        merged = target + moved
-        self.groups.append(PlanGroup.concatenate(merged) if len(merged) > 1 else merged[0])

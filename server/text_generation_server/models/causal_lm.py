@@ -162,10 +162,8 @@ class CausalLM:
             plan = state.plan = self.planner.plan(state)
             plan.check_layers(self.runner.num_layers)
             state.spec = self.speculation_for(plan)
-            if plan.mode == LayerSkipMode.VERIFIED:  # verification runs the full model: every layer keeps its cache
-                keys[state.id] = (frozenset(), state.spec.skip if state.spec is not None else frozenset())
-            else:
-                keys[state.id] = (plan.applied, frozenset())
+            # verification runs the full model: verified rows share the full group (see plan_groups)
+            keys[state.id] = NO_SKIP if plan.mode == LayerSkipMode.VERIFIED else plan.applied
         if self.planner.monitor is not None:
             add_twins(batch, self.planner.monitor)
             keys.update((s.id, NO_SKIP) for s in batch.requests if s.audit_of is not None)
@@ -192,7 +190,7 @@ class CausalLM:
         for group in batch.groups:
             states = [by_id[rid] for rid in group.request_ids]
             if group.cache.length and any(s.spec is not None for s in states):
-                cycle = self.controller.plan_cycle(states, group.draft_skip)
+                cycle = self.controller.plan_cycle(states)
                 if cycle.drafts_anything:
                     head = self.heads.get(cycle.vocab) if cycle.model_k else None
                     out.append(VerifiedStep(self.runner, group, states, cycle, self.planner.biases, head))
@@ -201,18 +199,14 @@ class CausalLM:
         return out
 
     def adapt_drafting(self, batch: CausalLMBatch, steps: dict[int, RowStep]) -> None:
-        """Count each drafting row's cycle (request and rule); move requests whose model drafting
-        does not pay to plain decoding (auto-off)."""
-        stop_drafting = []
+        """Count each drafting row's cycle (request and rule); a request whose model drafting does
+        not pay stops drafting with the model (auto-off)."""
         for state in batch.requests:
             step = steps[state.id]
             if state.spec is None or not step.drafted or state.finished:
                 continue
             if self.controller.record(state, step.source, step.drafted, step.accepted):
                 state.spec.auto_off = True
-                stop_drafting.append(state.id)
-        if stop_drafting:
-            batch.move(stop_drafting, NO_SKIP)
 
     def check_audit_twins(self, batch: CausalLMBatch, generations: list[Generation]) -> list[Generation]:
         """Hide the audit twins' generations, settle their comparisons, report the window."""

@@ -86,7 +86,7 @@ class PlainStep:
 
 class VerifiedStep:
     """A draft-verify cycle of a prefilled group: copied drafts where the plan has them, model
-    drafts (`cycle.model_k` forwards with the group's draft layers bypassed and `head`) for the
+    drafts (`cycle.model_k` forwards with the cycle's draft layers bypassed and `head`) for the
     other drafting rows, then one full forward over every row's drafts (see speculative.py)."""
 
     def __init__(self, runner: Runner, group: PlanGroup, states: list[RequestState], cycle: CyclePlan,
@@ -125,7 +125,7 @@ class VerifiedStep:
         ids, _, mask = group.forward_inputs()
         for j in range(cycle.model_k):
             positions = (mask.cumsum(1) - 1)[:, -1:]
-            logits = self.runner.forward(ids, positions, mask, group.cache, skip_layers=group.draft_skip,
+            logits = self.runner.forward(ids, positions, mask, group.cache, skip_layers=cycle.skip,
                                          bypass_biases=self.biases,
                                          head=head.weight if head is not None else None)[:, -1]
             with clock.stage(Stage.CHOOSE):

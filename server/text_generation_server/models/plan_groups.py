@@ -1,12 +1,15 @@
 """Plan groups: the rows of a batch that bypass the same decoder layers.
 
-Design note: requests whose plans apply the same skip sets share one left-padded tensor
-state and one KV cache, so one forward serves them all and a skipped layer allocates no
-cache for the group. A group's key is (layers bypassed in every forward, as in `lossy`;
-layers bypassed only while drafting, as in `verified`): a verified group keeps every layer's
-cache, because verification runs the full model. Groups of one batch run one after another (a layer runs only for the
-groups that need it). Few distinct plans keep batching efficient; `off` and `shadow`
-requests always share the group with the empty skip set.
+Design note: requests whose plans apply the same skip set share one left-padded tensor
+state and one KV cache, so one forward serves them all and a skipped layer allocates no cache
+for the group. A group's key is the set of layers bypassed in every forward (`lossy`). Verified
+requests share the group of the empty set whatever layers their drafts bypass: verification runs
+the full model, and one forward of all rows costs less than one per draft set (the 1.5B at 4
+rows in two groups of 2 took twice a step: 0.65x off); a cycle's draft forwards bypass the
+layers that every drafting row's plan bypasses (`draft_control.CyclePlan.skip`). Groups of one
+batch run one after another (a layer runs only for the groups that need it). Few distinct plans
+keep batching efficient; `off`, `shadow` and `verified` requests always share the group with
+the empty skip set.
 
 Tensor layout of a group with `rows` rows:
 - `cache`: the KV cache, `cache.length` columns, each row's tokens right-aligned;
@@ -23,28 +26,22 @@ import torch
 
 from .runner.kv_cache import KVCache
 
-# (layers bypassed in every forward, layers bypassed in draft forwards only)
-GroupKey = tuple[frozenset[int], frozenset[int]]
+GroupKey = frozenset[int]  # the layers bypassed in every forward of a group
 
 
 @dataclass
 class PlanGroup:
     """Rows sharing one skip set, with their own tensors and KV cache (see module docstring)."""
 
-    skip: frozenset[int]  # bypassed in every forward of the group (lossy)
+    skip: GroupKey  # bypassed in every forward of the group (lossy)
     request_ids: list[int]  # row order of the tensors below
     cache: KVCache
     attention_mask: torch.Tensor  # [rows, cache.length]
     pending_ids: torch.Tensor  # [rows, new]
     pending_mask: torch.Tensor  # [rows, new]
-    draft_skip: frozenset[int] = frozenset()  # bypassed in draft forwards only (verified)
-
-    @property
-    def key(self) -> GroupKey:
-        return (self.skip, self.draft_skip)
 
     @classmethod
-    def from_prompts(cls, key: GroupKey, request_ids: list[int], prompts: list[list[int]],
+    def from_prompts(cls, skip: GroupKey, request_ids: list[int], prompts: list[list[int]],
                      cache: KVCache, pad_id: int) -> PlanGroup:
         """A group before prefill: prompts left-padded to the longest."""
         width = max(len(p) for p in prompts)
@@ -54,7 +51,7 @@ class PlanGroup:
             pending_ids[row, width - len(prompt):] = torch.tensor(prompt)
             pending_mask[row, width - len(prompt):] = 1
         empty = torch.zeros((len(prompts), 0), dtype=torch.long)
-        return cls(key[0], request_ids, cache, empty, pending_ids, pending_mask, key[1])
+        return cls(skip, request_ids, cache, empty, pending_ids, pending_mask)
 
     @property
     def num_rows(self) -> int:
@@ -65,9 +62,9 @@ class PlanGroup:
         """Columns in the cache plus pending (the padded length a forward sees)."""
         return self.attention_mask.shape[1] + self.pending_ids.shape[1]
 
-    def select(self, ids: list[int], key: GroupKey | None = None) -> PlanGroup:
-        """A new group of the rows of `ids` (in that order), with `key` (default: this group's),
-        trimmed of the columns that became all padding; this group is left as it was.
+    def select(self, ids: list[int]) -> PlanGroup:
+        """A new group of the rows of `ids` (in that order), trimmed of the columns that became
+        all padding; this group is left as it was.
 
         A row's masked columns need not be contiguous (verified mode masks the rejected draft
         columns of a row in place), so the trim keeps everything from the leftmost real token
@@ -79,9 +76,9 @@ class PlanGroup:
         mask = self.attention_mask.index_select(0, index)
         used = mask.any(0).nonzero()
         new_length = mask.shape[1] - int(used.min()) if self.cache.length and used.numel() else 0
-        skip, draft_skip = key or self.key
-        return PlanGroup(skip, list(ids), self.cache.select(rows, new_length), mask[:, mask.shape[1] - new_length:],
-                         self.pending_ids.index_select(0, index), self.pending_mask.index_select(0, index), draft_skip)
+        return PlanGroup(self.skip, list(ids), self.cache.select(rows, new_length),
+                         mask[:, mask.shape[1] - new_length:],
+                         self.pending_ids.index_select(0, index), self.pending_mask.index_select(0, index))
 
     def filter(self, keep_ids: list[int]) -> None:
         """Keep the rows of `keep_ids` (in that order), as `select` does, in place."""
@@ -91,17 +88,10 @@ class PlanGroup:
         self.request_ids, self.cache, self.attention_mask = kept.request_ids, kept.cache, kept.attention_mask
         self.pending_ids, self.pending_mask = kept.pending_ids, kept.pending_mask
 
-    def split(self, move_ids: list[int], key: GroupKey) -> PlanGroup:
-        """Take the rows of `move_ids` out into a new group with `key` (same cache layers)."""
-        moving = set(move_ids)
-        moved = self.select(move_ids, key)
-        self.filter([rid for rid in self.request_ids if rid not in moving])
-        return moved
-
     @classmethod
     def concatenate(cls, groups: list[PlanGroup]) -> PlanGroup:
         """Stack prefilled groups of one key, left-padding to the longest."""
-        assert len({g.key for g in groups}) == 1, "only groups with the same skip sets concatenate"
+        assert len({g.skip for g in groups}) == 1, "only groups with the same skip set concatenate"
         assert all(g.cache.length for g in groups), "only prefilled groups can be concatenated"
         length = max(g.cache.length for g in groups)
         masks = [torch.nn.functional.pad(g.attention_mask, (length - g.cache.length, 0)) for g in groups]
@@ -112,7 +102,6 @@ class PlanGroup:
             attention_mask=torch.cat(masks, 0),
             pending_ids=torch.cat([g.pending_ids for g in groups], 0),
             pending_mask=torch.cat([g.pending_mask for g in groups], 0),
-            draft_skip=groups[0].draft_skip,
         )
 
     def forward_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
