@@ -8,7 +8,8 @@ greedy decoding with
   (per-cycle draft length, per-rule switch-off, per-request auto-off), n-gram drafts included;
 - speculate: upstream's `--speculate N` meaning: n-gram drafts only, every request;
 interleaved (off, verified, speculate, off, ...), medians of `--repeats`. Each row reports the
-tokens/s ratios, acceptance per drafter, mean draft length, auto-off count, and the cost model
+tokens/s ratios, acceptance per drafter and mean draft length and auto-off count (summed over the
+repeats), the rules switched off by then, and the cost model
 (draft / step and verify(k+1) / step) that explains the ratio. Every run checks that the
 greedy tokens equal off's. JSON in benchmark/results/layerskip_modes.json.
 
@@ -82,12 +83,29 @@ def decode(lm: CausalLM, prompts: list[str], new_tokens: int) -> dict[str, Any]:
     specs = [s.spec for s in batch.requests if s.spec is not None]
     model_drafted, ngram_drafted = sum(s.model.drafted for s in specs), sum(s.ngram.drafted for s in specs)
     cycles = sum(s.cycles for s in specs)
-    return {"tokens_per_s": tokens / seconds, "steps": steps, "tokens": tokens_out,
-            "model_acceptance": sum(s.model.accepted for s in specs) / model_drafted if model_drafted else None,
-            "ngram_acceptance": sum(s.ngram.accepted for s in specs) / ngram_drafted if ngram_drafted else None,
-            "model_drafted": model_drafted, "ngram_drafted": ngram_drafted, "cycles": cycles,
-            "mean_draft_length": (model_drafted + ngram_drafted) / cycles if cycles else 0.0,
-            "tokens_per_step": tokens / max(steps, 1), "auto_off": sum(s.auto_off for s in specs)}
+    return {"tokens_per_s": tokens / seconds, "steps": steps, "tokens": tokens_out, "generated": tokens,
+            "model_drafted": model_drafted, "model_accepted": sum(s.model.accepted for s in specs),
+            "ngram_drafted": ngram_drafted, "ngram_accepted": sum(s.ngram.accepted for s in specs),
+            "cycles": cycles, "auto_off": sum(s.auto_off for s in specs)}
+
+
+COUNTS = ("steps", "generated", "model_drafted", "model_accepted", "ngram_drafted", "ngram_accepted", "cycles",
+          "auto_off")
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of tokens/s; drafting counts summed over the repeats (a rule switched off after the
+    first repeat drafts nothing in the last, so the last alone would hide its drafts)."""
+    out: dict[str, Any] = {k: sum(r[k] for r in rows) for k in COUNTS}
+    out["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in rows)
+    out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in rows]
+    out["model_drafted_runs"] = [r["model_drafted"] for r in rows]
+    for drafter in ("model", "ngram"):
+        drafted = out[f"{drafter}_drafted"]
+        out[f"{drafter}_acceptance"] = out[f"{drafter}_accepted"] / drafted if drafted else None
+    out["mean_draft_length"] = (out["model_drafted"] + out["ngram_drafted"]) / out["cycles"] if out["cycles"] else 0.0
+    out["tokens_per_step"] = out["generated"] / max(out["steps"], 1)
+    return out
 
 
 def side_by_side(runs: dict[str, CausalLM], prompts: list[str], new_tokens: int, repeats: int) -> dict[str, Any]:
@@ -97,9 +115,7 @@ def side_by_side(runs: dict[str, CausalLM], prompts: list[str], new_tokens: int,
             figures[name].append(decode(lm, prompts, new_tokens))
     out: dict[str, Any] = {}
     for name, rows in figures.items():
-        summary = {k: rows[-1][k] for k in rows[-1] if k != "tokens"}
-        summary["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in rows)
-        summary["tokens_per_s_runs"] = [r["tokens_per_s"] for r in rows]
+        summary = summarize(rows)
         summary["identical_to_off"] = all(r["tokens"] == figures["off"][0]["tokens"] for r in rows)
         out[name] = summary
     return out
@@ -125,6 +141,11 @@ def model_lms(model_id: str, dtype: str, policy: str, speculate: int) -> tuple[d
     return lms, str(found) if found else None
 
 
+def _share(figures: dict[str, Any], drafter: str) -> str:
+    a = figures[f"{drafter}_acceptance"]
+    return f"{'-' if a is None else f'{a:.2f}'} of {figures[f'{drafter}_drafted']}"
+
+
 def run_model(model_id: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     lms, policy = model_lms(model_id, dtype, args.policy, args.speculate)
     cost = lms["verified"].costs()
@@ -142,9 +163,12 @@ def run_model(model_id: str, dtype: str, args: argparse.Namespace) -> dict[str, 
                    "verified": r["verified"], "speculate": r["speculate"], "off": r["off"]}
             result["rows"][f"{name}/b{batch}"] = row
             v = r["verified"]
+            row["rules_switched_off"] = sorted(n for n, rec in lms["verified"].controller.rules.items() if rec.disabled)
+
             print(f"  {name:<15} b{batch}: verified {row['verified_ratio']:.2f}x off, speculate "
-                  f"{row['speculate_ratio']:.2f}x; model acceptance {v['model_acceptance']}, n-gram "
-                  f"{v['ngram_acceptance']}, mean draft {v['mean_draft_length']:.1f}, auto-off {v['auto_off']}, "
+                  f"{row['speculate_ratio']:.2f}x; model drafts accepted {_share(v, 'model')} (per repeat "
+                  f"{v['model_drafted_runs']}), n-gram {_share(v, 'ngram')}, mean draft {v['mean_draft_length']:.1f}, "
+                  f"auto-off {v['auto_off']}, rules off {row['rules_switched_off']}, "
                   f"identical {v['identical_to_off'] and r['speculate']['identical_to_off']}", flush=True)
     return result
 

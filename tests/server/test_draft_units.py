@@ -181,8 +181,9 @@ def test_a_request_s_own_drafts_count_once() -> None:
     assert state.spec is not None and controller.acceptance(state.spec) == pytest.approx(0.734)
     controller.record(state, "model", 1, 0)  # its own two rejections over the rule's 0.734 (weight 4)
     assert controller.acceptance(state.spec) == pytest.approx(0.734 * 4 / 6)
+    # Another request's prior is the rule's pooled estimate, where the calibration weighs 16 drafts.
     other = _state(2, [1, 2, 3], SpecState(rule="r", skip=frozenset({1, 2})))
-    assert other.spec is not None and controller.acceptance(other.spec) == pytest.approx(0.734 * 4 / 6)
+    assert other.spec is not None and controller.acceptance(other.spec) == pytest.approx(0.734 * 16 / 18)
 
 
 def test_a_rule_that_does_not_pay_is_switched_off_and_probed() -> None:

@@ -6,11 +6,11 @@ Design note. Three levels decide, all from the measured cost model and measured 
   the group's model-draft length k (0 = none) is the one that maximises the group's expected
   tokens per second, plain decoding included as k = 0. So a batch where drafting does not pay
   (costly verification of rows x (k + 1) tokens) simply decodes plainly;
-- per rule, across requests (`RuleStats`): acceptance pooled over every request of a rule,
-  starting from the policy's calibrated acceptance as a prior. When a rule's expected speed at
-  batch 1 falls below plain decoding after MIN_RULE_CYCLES cycles, its model drafting is
-  disabled for new requests (logged once); one new request in PROBE_EVERY still drafts, so the
-  rule is re-enabled when its acceptance recovers;
+- per rule, across requests (`RuleRecord`): acceptance pooled over every request of a rule,
+  starting from the policy's calibrated acceptance as a prior worth RULE_PRIOR_WEIGHT drafts.
+  When a rule's expected speed at batch 1 falls below plain decoding after MIN_RULE_CYCLES
+  cycles, its model drafting is disabled for new requests (logged once); one new request in
+  PROBE_EVERY still drafts, so the rule is re-enabled when its acceptance recovers;
 - per request (the floor, "auto-off"): a request whose own acceptance (with its rule's as the
   prior) makes its drafting slower than plain decoding after MIN_CYCLES_BEFORE_AUTO_OFF cycles
   stops model drafting; its n-gram drafts go on when they pay.
@@ -34,6 +34,12 @@ PROBE_EVERY = 16
 UNKNOWN_PRIOR = 0.6  # a rule without a calibrated acceptance: optimistic enough to be tried
 NGRAM_PRIOR = 0.5
 REQUEST_PRIOR_WEIGHT = 4.0  # the rule's estimate counts as this many observed drafts of a request
+# The policy's calibrated acceptance counts as this many drafts in a rule's pooled estimate: with 4,
+# one request's two rejected first drafts took the 0.5B's rule from 0.73 to 0.49, below the pay
+# line, and no later request of any class drafted again (a rule that never drafts never reaches
+# MIN_RULE_CYCLES to be judged and probed); with MIN_RULE_CYCLES, evidence outweighs the
+# calibration only when the rule may be judged.
+RULE_PRIOR_WEIGHT = float(MIN_RULE_CYCLES)
 DECAY_AT = 512  # pooled counts are halved past this many cycles (recent requests weigh more)
 # A cycle drafts only when its expected speed beats a plain step by this factor: the cost model is
 # measured once at warm-up on a shared machine, and its figures move by about 5% between runs.
@@ -77,7 +83,7 @@ class RuleRecord:
     def estimate(self, excluding: Counts | None = None) -> float:
         """Pooled acceptance, optionally without one request's own counts (its prior)."""
         counts = self.counts if excluding is None else self.counts.without(excluding)
-        return counts.estimate(self.prior, REQUEST_PRIOR_WEIGHT)
+        return counts.estimate(self.prior, RULE_PRIOR_WEIGHT)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.counts.record(drafted, accepted)
