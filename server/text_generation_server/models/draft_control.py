@@ -149,11 +149,10 @@ class DraftController:
         bypassed never lowers a draft's acceptance, only raises its cost)."""
         cost, rows = self.costs(), len(states)
         ngram = [self._ngram(s, cost, rows) for s in states]
-        drafting = [s.spec.skip for s, ng in zip(states, ngram, strict=True)
-                    if s.spec is not None and s.spec.model_drafting and not ng]
+        wants = [s.spec is not None and s.spec.model_drafting and not ng for s, ng in zip(states, ngram, strict=True)]
+        drafting = [s.spec.skip for s, w in zip(states, wants, strict=True) if w and s.spec is not None]
         draft_skip = frozenset.intersection(*drafting) if drafting else frozenset()
-        model_rows = [s.spec is not None and s.spec.model_drafting and not ng and bool(draft_skip)
-                      for s, ng in zip(states, ngram, strict=True)]
+        model_rows = [w and bool(draft_skip) for w in wants]
         if not any(model_rows):
             return self._worth_it(CyclePlan(ngram, 0, model_rows), states, cost)
         vocab = max((s.spec.vocab for s, m in zip(states, model_rows, strict=True) if m and s.spec), default=0)
