@@ -160,11 +160,11 @@ def run_model(model_id: str, dtype: str, args: argparse.Namespace) -> dict[str, 
             row = {"off_tps": r["off"]["tokens_per_s"],
                    "verified_ratio": r["verified"]["tokens_per_s"] / r["off"]["tokens_per_s"],
                    "speculate_ratio": r["speculate"]["tokens_per_s"] / r["off"]["tokens_per_s"],
-                   "verified": r["verified"], "speculate": r["speculate"], "off": r["off"]}
+                   "verified": r["verified"], "speculate": r["speculate"], "off": r["off"],
+                   "rules_switched_off": sorted(n for n, rec in lms["verified"].controller.rules.items()
+                                                if rec.disabled)}
             result["rows"][f"{name}/b{batch}"] = row
             v = r["verified"]
-            row["rules_switched_off"] = sorted(n for n, rec in lms["verified"].controller.rules.items() if rec.disabled)
-
             print(f"  {name:<15} b{batch}: verified {row['verified_ratio']:.2f}x off, speculate "
                   f"{row['speculate_ratio']:.2f}x; model drafts accepted {_share(v, 'model')} (per repeat "
                   f"{v['model_drafted_runs']}), n-gram {_share(v, 'ngram')}, mean draft {v['mean_draft_length']:.1f}, "

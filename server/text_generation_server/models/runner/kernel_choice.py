@@ -9,10 +9,10 @@ a synthetic decode step of that weight kind (decoder layers of one shape whose w
 the last-level cache, one new token for 1 and for 8 rows, interleaved rounds, medians; the score
 is the mean of each row count's time relative to the fastest variant's: LLM.int8() on avx2 ties
 at one row and loses at eight, where VNNI's dot products count) and remembered in
-`choices.json` in the build folder, keyed by the CPU model, its flags and METHOD. `build-kernels` measures
-every kind at install time, so every process on a machine reads the same choice (the numerics
-of variants differ in the order of fp32 sums, and two processes of one server must agree); a
-process whose CPU has no entry (an image built on another host) measures the kind it needs
+`choices.json` in the build folder, keyed by the CPU model, its flags and METHOD.
+`build-kernels` measures every kind at install time, so every process on a machine reads the
+same choice (the numerics of variants differ in the order of fp32 sums, and two processes of
+one server must agree); a process whose CPU has no entry (an image built on another host) measures the kind it needs
 once, under the build folder's lock, and writes it when the folder is writable. A variant
 must be 3% faster than a wider one to be chosen, so that noise does not flip the choice.
 """
