@@ -11,10 +11,13 @@
 // 3. decode_attention: 1..16 new queries per row against the cache (exact causal attention
 //    through the runner's mask), in place of SDPA's ~50 us CPU call.
 // 4. decode_layer: a whole Llama-family decoder layer for a few new tokens per row, composed of
-//    the above, so decode steps and draft verification cross from Python once per layer.
+//    the above on raw rows (no torch op inside), so decode steps and draft verification cross
+//    from Python once per layer.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "kernels/kernels.h"
 
@@ -171,34 +174,72 @@ struct Projection {
     return out.to(dtype);
   }
 
+  // y [m, n] = x [m, k] @ W^T (+ bias) for m <= kMaxRows rows of T (float, or bf16 bits; any m for
+  // LLM.int8()) on raw rows; the quantized formats compute in fp32 through x32 [m, k] and y32 [m, n] when T is bf16
+  // (the same steps as torch's x.to(float) ... y.to(bfloat16)).
+  template <typename T>
+  void apply(const T* x, T* y, int64_t m, float* x32, float* y32) const {
+    constexpr bool bf16 = sizeof(T) == 2;
+    const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+    if (kind == Kind::kDense) {
+      if constexpr (bf16) {
+        tgi::linear_bf16(x, ptr<uint16_t>(weight), bp, y, m, k, n);
+      } else {
+        tgi::linear_f32(x, ptr<float>(weight), bp, y, m, k, n);
+      }
+      return;
+    }
+    const float* xf;
+    float* yf;
+    if constexpr (bf16) {
+      tgi::widen_bf16(x, x32, m * k);
+      xf = x32;
+      yf = y32;
+    } else {
+      xf = x;
+      yf = y;
+    }
+    if (kind == Kind::kFourBit) {
+      const tgi::Packed4 w{ptr<uint8_t>(weight), absmax.data_ptr<float>(), table.data_ptr<float>(), blocksize};
+      tgi::linear_4bit(xf, w, bp, yf, m, k, n, bf16);
+    } else if (kind == Kind::kInt8Weights) {
+      tgi::linear_int8_weights(xf, ptr<int8_t>(weight), scales.data_ptr<float>(), blocksize, bp, yf, m, k, n);
+    } else {
+      const tgi::Int8Weight w{ptr<int8_t>(weight), scales.data_ptr<float>()};
+      tgi::linear_int8(xf, w, bp, yf, m, k, n, static_cast<float>(threshold), bf16);
+    }
+    if constexpr (bf16) tgi::narrow_bf16(y32, y, m * n);
+  }
+
+  void check_input(const char* op, torch::ScalarType dtype) const {
+    TORCH_CHECK(kind != Kind::kDense || weight.scalar_type() == dtype, op, ": x is ", dtype, " but the weight is ",
+                weight.scalar_type());
+  }
+
   Tensor operator()(const Tensor& x_in) const {  // x [m, k] -> [m, n]
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "Projection: x must be [m, ", k, "], got ", x_in.sizes());
     check_float_dtype("Projection", x_in);
+    check_input("Projection", x_in.scalar_type());
     const Tensor x = x_in.contiguous();
     const int64_t m = x.size(0);
-    const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
-    if (kind == Kind::kDense) {
-      TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "Projection: x is ", x.scalar_type(), " but weight is ",
-                  weight.scalar_type());
-      return m <= tgi::kMaxRows ? small_m_linear(x, weight, present(bias)) : at::linear(x, weight, present(bias));
+    if (m > tgi::kMaxRows) {
+      if (kind == Kind::kDense) return at::linear(x, weight, present(bias));
+      if (kind != Kind::kInt8)  // LLM.int8() keeps its own recipe at any row count
+        return at::linear(x, dequantized(x.scalar_type()),
+                          bias.defined() ? c10::optional<Tensor>(bias.to(x.scalar_type())) : c10::nullopt);
     }
-    if ((kind == Kind::kFourBit || kind == Kind::kInt8Weights) && m > tgi::kMaxRows)
-      return at::linear(x, dequantized(x.scalar_type()), bias.defined() ? c10::optional<Tensor>(bias.to(x.scalar_type()))
-                                                                        : c10::nullopt);
+    auto y = torch::empty({m, n}, x.options());
     const bool bf16 = x.scalar_type() == torch::kBFloat16;
-    const Tensor x32 = bf16 ? x.to(torch::kFloat) : x;
-    auto y = torch::empty({m, n}, x32.options());
-    if (kind == Kind::kFourBit) {
-      const tgi::Packed4 w{ptr<uint8_t>(weight), absmax.data_ptr<float>(), table.data_ptr<float>(), blocksize};
-      tgi::linear_4bit(x32.data_ptr<float>(), w, bp, y.data_ptr<float>(), m, k, n, bf16);
-    } else if (kind == Kind::kInt8Weights) {
-      tgi::linear_int8_weights(x32.data_ptr<float>(), ptr<int8_t>(weight), scales.data_ptr<float>(), blocksize, bp,
-                               y.data_ptr<float>(), m, k, n);
+    if (kind == Kind::kDense) {
+      bf16 ? apply(ptr<uint16_t>(x), ptr<uint16_t>(y), m, nullptr, nullptr)
+           : apply(ptr<float>(x), ptr<float>(y), m, nullptr, nullptr);
+    } else if (bf16) {  // fp32 scratch for the quantized formats
+      std::vector<float> x32(m * k), y32(m * n);
+      apply(ptr<uint16_t>(x), ptr<uint16_t>(y), m, x32.data(), y32.data());
     } else {
-      const tgi::Int8Weight w{ptr<int8_t>(weight), scales.data_ptr<float>()};
-      tgi::linear_int8(x32.data_ptr<float>(), w, bp, y.data_ptr<float>(), m, k, n, static_cast<float>(threshold), bf16);
+      apply(ptr<float>(x), ptr<float>(y), m, nullptr, nullptr);
     }
-    return bf16 ? y.to(torch::kBFloat16) : y;
+    return y;
   }
 };
 
@@ -290,43 +331,123 @@ Tensor decode_attention(const Tensor& q, const Tensor& keys, const Tensor& value
 }
 
 // ---- one decoder layer -------------------------------------------------------------------------
-// cache[:, :, first + t] = src[:, t] for src [rows, new, kv_heads, dim] (last dim contiguous), by
-// rows of dim values: torch's strided copy_ costs ~7 us per call here, this well under one.
-void write_columns(const Tensor& cache, int64_t first, const Tensor& src) {
-  TORCH_CHECK(cache.stride(3) == 1 && src.stride(3) == 1 && cache.scalar_type() == src.scalar_type() &&
-              src.size(0) == cache.size(0) && src.size(2) == cache.size(1) && src.size(3) == cache.size(3),
-              "decode_layer: cache ", cache.sizes(), " does not fit the new keys/values ", src.sizes());
-  const int64_t row_bytes = src.size(3) * src.element_size(), size = cache.element_size();
-  auto* base = static_cast<char*>(cache.data_ptr());
-  const auto* from = static_cast<const char*>(src.data_ptr());
-  for (int64_t r = 0; r < src.size(0); ++r)
-    for (int64_t t = 0; t < src.size(1); ++t)
-      for (int64_t g = 0; g < src.size(2); ++g)
-        std::memcpy(base + (r * cache.stride(0) + g * cache.stride(1) + (first + t) * cache.stride(2)) * size,
-                    from + (r * src.stride(0) + t * src.stride(1) + g * src.stride(2)) * size, row_bytes);
+// cache[:, :, first + t] = src[r, t, g] for src rows of `token_stride` values (kv head g at g * dim).
+template <typename T>
+void write_columns(const Tensor& cache, int64_t first, const T* src, int64_t rows, int64_t new_tokens,
+                   int64_t token_stride) {
+  const int64_t kv_heads = cache.size(1), dim = cache.size(3);
+  T* base = ptr<T>(cache);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < new_tokens; ++t)
+      for (int64_t g = 0; g < kv_heads; ++g)
+        std::memcpy(base + r * cache.stride(0) + g * cache.stride(1) + (first + t) * cache.stride(2),
+                    src + (r * new_tokens + t) * token_stride + g * dim, dim * sizeof(T));
+}
+
+// The intermediate rows of a layer, carved from one buffer kept per thread: a decode step
+// allocates nothing but its output (each torch op cost a few us, ~15 of them per layer).
+class Scratch {
+ public:
+  explicit Scratch(int64_t bytes) {
+    thread_local std::vector<char> buffer;
+    if (static_cast<int64_t>(buffer.size()) < bytes) buffer.resize(bytes);
+    next_ = buffer.data();
+  }
+  template <typename T>
+  T* take(int64_t count) {
+    T* out = reinterpret_cast<T*>(next_);
+    next_ += padded(count * static_cast<int64_t>(sizeof(T)));
+    return out;
+  }
+  static int64_t padded(int64_t bytes) { return (bytes + 63) / 64 * 64 + 64; }
+
+ private:
+  char* next_;
+};
+
+struct LayerArgs {
+  const Tensor &h, &in_norm, &mlp_norm, &k_cache, &v_cache, &cos, &sin, &mask;
+  const Projection &qkv, &o_proj, &gate_up, &down;
+  int64_t length, heads, kv_heads;
+  float eps, scale;
+};
+
+// Same math and rounding steps as fast_llama.pre_attention/post_attention, on raw rows of T.
+template <typename T>
+Tensor layer_rows(const LayerArgs& a) {
+  const int64_t rows = a.h.size(0), new_tokens = a.h.size(1), hidden = a.h.size(2), dim = a.k_cache.size(3);
+  const int64_t m = rows * new_tokens, q_width = a.heads * dim, qk_width = q_width + a.kv_heads * dim;
+  const int64_t qkv_width = a.qkv.n, inner = a.down.k, total = a.length + new_tokens;
+  const int64_t widest = std::max({a.qkv.k, a.o_proj.k, a.gate_up.k, a.down.k, a.qkv.n, a.gate_up.n, hidden});
+  const int64_t elements[] = {hidden, qkv_width, qk_width, q_width, hidden, hidden, a.gate_up.n, inner};
+  int64_t bytes = 2 * Scratch::padded(m * widest * 4);
+  for (int64_t width : elements) bytes += Scratch::padded(m * width * static_cast<int64_t>(sizeof(T)));
+  Scratch scratch(bytes);
+  T *normed = scratch.take<T>(m * hidden), *fused = scratch.take<T>(m * qkv_width);
+  T *roped = scratch.take<T>(m * qk_width), *attn = scratch.take<T>(m * q_width);
+  T *projected = scratch.take<T>(m * hidden), *h2 = scratch.take<T>(m * hidden);
+  T *gate_up = scratch.take<T>(m * a.gate_up.n), *act = scratch.take<T>(m * inner);
+  float *x32 = scratch.take<float>(m * widest), *y32 = scratch.take<float>(m * widest);
+  auto out = torch::empty_like(a.h);
+  const T* h = ptr<T>(a.h);
+
+  tgi::rms_norm(h, ptr<T>(a.in_norm), normed, m, hidden, a.eps);
+  a.qkv.apply(normed, fused, m, x32, y32);
+  tgi::rope(fused, qkv_width, dim, ptr<T>(a.cos), ptr<T>(a.sin), roped, m, a.heads + a.kv_heads, dim);
+  write_columns(a.k_cache, a.length, roped + q_width, rows, new_tokens, qk_width);
+  write_columns(a.v_cache, a.length, fused + qk_width, rows, new_tokens, qkv_width);
+  const tgi::AttentionShape s{rows, new_tokens, a.heads, a.kv_heads, total, dim, new_tokens * qk_width, qk_width, dim,
+                              a.k_cache.stride(0), a.k_cache.stride(1), a.k_cache.stride(2), a.v_cache.stride(0),
+                              a.v_cache.stride(1), a.v_cache.stride(2)};
+  tgi::attention(roped, ptr<T>(a.k_cache), ptr<T>(a.v_cache), ptr<T>(a.mask), attn, s, a.scale);
+  a.o_proj.apply(attn, projected, m, x32, y32);
+  tgi::add(h, projected, h2, m * hidden);
+  tgi::rms_norm(h2, ptr<T>(a.mlp_norm), normed, m, hidden, a.eps);
+  a.gate_up.apply(normed, gate_up, m, x32, y32);
+  tgi::silu_mul(gate_up, act, m, inner);
+  a.down.apply(act, projected, m, x32, y32);
+  tgi::add(h2, projected, ptr<T>(out), m * hidden);
+  return out;
 }
 
 // h [rows, new, hidden]; k_cache/v_cache [rows, kv_heads, capacity, dim] whole buffers, columns
 // `length` .. `length + new` are written; cos/sin [rows, new, 1, dim]; mask [rows, 1, new,
-// length + new]. Same math and rounding steps as fast_llama.pre_attention/post_attention.
+// length + new]; rows x new <= kMaxRows.
 Tensor decode_layer(const Tensor& h, const Tensor& in_norm, const Projection& qkv, const Projection& o_proj,
                     const Tensor& mlp_norm, const Projection& gate_up, const Projection& down, const Tensor& k_cache,
                     const Tensor& v_cache, int64_t length, const Tensor& cos, const Tensor& sin, const Tensor& mask,
                     int64_t heads, int64_t kv_heads, double eps, double scale) {
   TORCH_CHECK(h.dim() == 3 && h.is_contiguous(), "decode_layer: h must be a contiguous [rows, new, hidden]");
-  const int64_t rows = h.size(0), new_tokens = h.size(1), hidden = h.size(2), dim = k_cache.size(3);
+  check_float_dtype("decode_layer", h);
+  const auto dtype = h.scalar_type();
+  const int64_t rows = h.size(0), new_tokens = h.size(1), hidden = h.size(2), m = rows * new_tokens;
+  TORCH_CHECK(m >= 1 && m <= tgi::kMaxRows, "decode_layer: ", m, " rows x new tokens; at most ", tgi::kMaxRows);
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == rows &&
+              k_cache.size(1) == kv_heads && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
+              k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "decode_layer: caches must be [", rows, ", ", kv_heads, ", capacity, dim] of ", dtype, " with a contiguous "
+              "last dimension, got ", k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t dim = k_cache.size(3);
   TORCH_CHECK(length >= 0 && length + new_tokens <= k_cache.size(2), "decode_layer: columns ", length, " .. ",
               length + new_tokens, " are outside the cache's ", k_cache.size(2));
-  const int64_t m = rows * new_tokens;
-  auto qkv_out = qkv(rms_norm(h, in_norm, eps).view({m, hidden})).view({rows, new_tokens, heads + 2 * kv_heads, dim});
-  auto qk = rope(qkv_out.narrow(2, 0, heads + kv_heads), cos, sin);  // [rows, new, heads + kv, dim]
-  write_columns(k_cache, length, qk.narrow(2, heads, kv_heads));
-  write_columns(v_cache, length, qkv_out.narrow(2, heads + kv_heads, kv_heads));
-  auto attn = decode_attention(qk.narrow(2, 0, heads), k_cache.narrow(2, 0, length + new_tokens),
-                               v_cache.narrow(2, 0, length + new_tokens), mask, scale);  // [rows, new, heads * dim]
-  auto h2 = h + o_proj(attn.view({m, heads * dim})).view({rows, new_tokens, hidden});
-  auto act = silu_mul(gate_up(rms_norm(h2, mlp_norm, eps).view({m, hidden})));
-  return h2 + down(act).view({rows, new_tokens, hidden});
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && dim % 2 == 0, "decode_layer: ", heads,
+              " heads over ", kv_heads, " kv heads of dim ", dim, " (heads a multiple of kv heads, dim even)");
+  for (const Tensor* norm : {&in_norm, &mlp_norm})
+    TORCH_CHECK(norm->is_contiguous() && norm->numel() == hidden && norm->scalar_type() == dtype,
+                "decode_layer: norm weights must be ", hidden, " contiguous ", dtype, " values");
+  for (const Tensor* table : {&cos, &sin})
+    TORCH_CHECK(table->is_contiguous() && table->numel() == m * dim && table->scalar_type() == dtype,
+                "decode_layer: cos and sin must be contiguous [rows, new, 1, ", dim, "] of ", dtype);
+  TORCH_CHECK(mask.is_contiguous() && mask.numel() == m * (length + new_tokens) && mask.scalar_type() == dtype,
+              "decode_layer: mask must be a contiguous [rows, 1, new, ", length + new_tokens, "] of ", dtype);
+  TORCH_CHECK(qkv.k == hidden && qkv.n == (heads + 2 * kv_heads) * dim && o_proj.k == heads * dim &&
+              o_proj.n == hidden && gate_up.k == hidden && gate_up.n % 2 == 0 && down.k == gate_up.n / 2 &&
+              down.n == hidden, "decode_layer: projection shapes do not fit hidden ", hidden, ", ", heads, " + 2 x ",
+              kv_heads, " heads of ", dim);
+  for (const Projection* p : {&qkv, &o_proj, &gate_up, &down}) p->check_input("decode_layer", dtype);
+  const LayerArgs args{h, in_norm, mlp_norm, k_cache, v_cache, cos, sin, mask, qkv, o_proj, gate_up, down,
+                       length, heads, kv_heads, static_cast<float>(eps), static_cast<float>(scale)};
+  return dtype == torch::kFloat ? layer_rows<float>(args) : layer_rows<uint16_t>(args);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// RMSNorm, RoPE and silu(gate) * up: one pass each instead of 4-8 torch ops.
+// RMSNorm, RoPE, silu(gate) * up, residual adds and bf16 conversions: one pass each instead of torch ops.
 //
 // Compiled with -ffp-contract=off: a fused multiply-add rounds once where torch rounds twice,
 // and one ulp per element grows past the fast runner's 1e-4 logits parity budget. Every step
@@ -104,6 +104,19 @@ void silu_mul(const T* gate_up, T* y, int64_t tokens, int64_t inner) {
   }
 }
 
+template <typename T>
+void add(const T* a, const T* b, T* out, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) out[i] = from_float<T>(as_float(a[i]) + as_float(b[i]));
+}
+
+void widen_bf16(const uint16_t* x, float* y, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) y[i] = simd::from_bf16(x[i]);
+}
+
+void narrow_bf16(const float* x, uint16_t* y, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) y[i] = simd::to_bf16(x[i]);
+}
+
 template void rms_norm<float>(const float*, const float*, float*, int64_t, int64_t, float);
 template void rms_norm<uint16_t>(const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, float);
 template void rope<float>(const float*, int64_t, int64_t, const float*, const float*, float*, int64_t, int64_t,
@@ -112,5 +125,7 @@ template void rope<uint16_t>(const uint16_t*, int64_t, int64_t, const uint16_t*,
                              int64_t, int64_t);
 template void silu_mul<float>(const float*, float*, int64_t, int64_t);
 template void silu_mul<uint16_t>(const uint16_t*, uint16_t*, int64_t, int64_t);
+template void add<float>(const float*, const float*, float*, int64_t);
+template void add<uint16_t>(const uint16_t*, const uint16_t*, uint16_t*, int64_t);
 
 }  // namespace tgi

@@ -52,6 +52,12 @@ void rope(const T* x, int64_t token_stride, int64_t head_stride, const T* cos, c
           int64_t heads, int64_t dim);
 template <typename T>
 void silu_mul(const T* gate_up, T* y, int64_t tokens, int64_t inner);
+// out = a + b in fp32, rounded once to T (torch's add of two T tensors); out may be a or b.
+template <typename T>
+void add(const T* a, const T* b, T* out, int64_t count);
+// bf16 bits <-> fp32 (to bf16: round to nearest even, as torch's .to(torch.bfloat16)).
+void widen_bf16(const uint16_t* x, float* y, int64_t count);
+void narrow_bf16(const float* x, uint16_t* y, int64_t count);
 
 // ---- attention (attention.cpp) ------------------------------------------------------------------
 // q [rows, new, heads, dim] with strides (q_row, q_token, q_head); keys/values [rows, kv_heads,
