@@ -17,6 +17,7 @@ from text_generation_server.models.batch import RequestState
 from text_generation_server.models.cost_model import CostModel, tokens_per_cycle
 from text_generation_server.models.draft_control import (
     MIN_RULE_CYCLES,
+    NGRAM_PRIOR,
     PROBE_EVERY,
     DraftController,
     SpeculateConfig,
@@ -167,6 +168,30 @@ def test_plan_cycle_uses_copies_first_and_drafts_only_when_it_pays() -> None:
     controller.costs = lambda: costly
     cycle = controller.plan_cycle([copying, drafting])
     assert not cycle.drafts_anything  # verification costs 3 steps: plain decoding is faster
+
+
+def test_a_request_probes_its_copies_where_its_batch_would_not_draft_them() -> None:
+    """At 4 rows a verification costs 1.6-2.6 steps, so copies at the n-gram prior do not pay and a
+    request would never learn its own copy acceptance: its first match is drafted all the same (at
+    the length that pays at one row), then its measured acceptance decides."""
+    batched = {2: ((1, 2, 4), (1.2, 1.5, 2.0)), 4: ((1, 2, 4), (1.6, 2.6, 4.0))}
+    cost = CostModel((1, 2, 4, 8), (1.0, 1.02, 1.05, 1.2), layer_s=0.03, batched=batched)
+    controller = DraftController(lambda: cost, max_draft=4, ngram=True)
+    ids = [4, 5, 6, 7, 8, 9, 4, 5]
+    rows = [_state(i, list(ids), SpecState(rule="r")) for i in range(4)]
+    assert cost.best_free_k(NGRAM_PRIOR, rows=4) == (0, 1.0)
+    probe = controller.plan_cycle(rows)
+    assert all(copies == [6, 7, 8, 9][: len(copies)] and copies for copies in probe.ngram)
+    for state, copies in zip(rows, probe.ngram, strict=True):  # copies accepted whole
+        controller.record(state, "ngram", len(copies), len(copies))
+    assert all(controller.plan_cycle(rows).ngram)  # acceptance measured high: copies pay at 4 rows
+    # Two rows without a match bound the batch's pace: the copying rows' drafts no longer pay.
+    unmatched = [_state(9, [1, 2, 3], SpecState(rule="r")), _state(10, [1, 2, 3], SpecState(rule="r"))]
+    assert not controller.plan_cycle([*rows[:2], *unmatched]).drafts_anything
+    rejecting = [_state(i, list(ids), SpecState(rule="r")) for i in range(4)]
+    for state, copies in zip(rejecting, controller.plan_cycle(rejecting).ngram, strict=True):
+        controller.record(state, "ngram", len(copies), 0)
+    assert not controller.plan_cycle(rejecting).drafts_anything  # one probe each, then plain decoding
 
 
 def test_a_request_s_own_drafts_count_once() -> None:

@@ -2,7 +2,9 @@
 
 Design note. Three levels decide, all from the measured cost model and measured acceptance:
 - per cycle and group (`plan_cycle`): each speculating row first tries an n-gram match (free
-  drafts, length chosen by its n-gram acceptance); rows without one use the draft model, and
+  drafts, length chosen by its n-gram acceptance; a request's first match is drafted whenever it
+  would pay at one row, a probe, so that a batch whose verification is too costly for the prior
+  still learns the request's own copy acceptance); rows without one use the draft model, and
   the group's model-draft length k (0 = none) is the one that maximises the group's expected
   tokens per second, plain decoding included as k = 0. So a batch where drafting does not pay
   (costly verification of rows x (k + 1) tokens) simply decodes plainly;
@@ -33,6 +35,7 @@ MIN_RULE_CYCLES = 16
 PROBE_EVERY = 16
 UNKNOWN_PRIOR = 0.6  # a rule without a calibrated acceptance: optimistic enough to be tried
 NGRAM_PRIOR = 0.5
+NGRAM_PROBES = 1  # copy cycles a request drafts on the prior alone even where its batch says no
 REQUEST_PRIOR_WEIGHT = 4.0  # the rule's estimate counts as this many observed drafts of a request
 # The policy's calibrated acceptance counts as this many drafts in a rule's pooled estimate: with 4,
 # one request's two rejected first drafts took the 0.5B's rule from 0.73 to 0.49, below the pay
@@ -148,13 +151,15 @@ class DraftController:
         layers share one draft forward: it bypasses the layers all of them bypass (fewer layers
         bypassed never lowers a draft's acceptance, only raises its cost)."""
         cost, rows = self.costs(), len(states)
-        ngram = [self._ngram(s, cost, rows) for s in states]
+        found = [self._ngram(s, cost, rows) for s in states]
+        ngram = [copies for copies, _ in found]
+        probing = any(probe for _, probe in found)
         wants = [s.spec is not None and s.spec.model_drafting and not ng for s, ng in zip(states, ngram, strict=True)]
         drafting = [s.spec.skip for s, w in zip(states, wants, strict=True) if w and s.spec is not None]
         draft_skip = frozenset.intersection(*drafting) if drafting else frozenset()
         model_rows = [w and bool(draft_skip) for w in wants]
         if not any(model_rows):
-            return self._worth_it(CyclePlan(ngram, 0, model_rows), states, cost)
+            return self._worth_it(CyclePlan(ngram, 0, model_rows), states, cost, probing)
         vocab = max((s.spec.vocab for s, m in zip(states, model_rows, strict=True) if m and s.spec), default=0)
         if any(s.spec.vocab == 0 for s, m in zip(states, model_rows, strict=True) if m and s.spec):
             vocab = 0  # a row asking for the full head gets it (a larger head is never less exact)
@@ -170,15 +175,24 @@ class DraftController:
         best = max(candidates, key=rate)
         if best and not self.force and rate(best) < MIN_GAIN * rate(0):
             best = 0
-        return self._worth_it(CyclePlan(ngram, best, model_rows, vocab, draft_skip), states, cost)
+        return self._worth_it(CyclePlan(ngram, best, model_rows, vocab, draft_skip), states, cost, probing)
 
-    def _ngram(self, state: RequestState, cost: CostModel, rows: int) -> list[int]:
+    def _ngram(self, state: RequestState, cost: CostModel, rows: int) -> tuple[list[int], bool]:
+        """The row's copied drafts, and whether they are a probe."""
         spec = state.spec
         if spec is None or not self.ngram:
-            return []
-        k = self.max_draft if self.force else cost.best_free_k(spec.ngram.estimate(NGRAM_PRIOR), rows,
-                                                                self.max_draft, MIN_GAIN)[0]
-        return lookup(state.all_ids, k)
+            return [], False
+        if self.force:
+            return lookup(state.all_ids, self.max_draft), False
+        estimate = spec.ngram.estimate(NGRAM_PRIOR)
+        k = cost.best_free_k(estimate, rows, self.max_draft, MIN_GAIN)[0]
+        if k or spec.ngram.cycles >= NGRAM_PROBES:
+            return lookup(state.all_ids, k), False
+        # Measured on the 0.5B at batch 4: a 4-row x 2-token forward costs 1.3-1.7 steps, so copies at
+        # the prior never paid, no request drafted, and code editing (copies accepted ~1.0) never
+        # learnt that it copies. Its first match is drafted at the length that pays at one row.
+        copies = lookup(state.all_ids, cost.best_free_k(estimate, 1, self.max_draft, MIN_GAIN)[0])
+        return copies, bool(copies)
 
     def _expected(self, state: RequestState, copied: list[int], model_k: int) -> float:
         spec = state.spec
@@ -188,12 +202,17 @@ class DraftController:
             return tokens_per_cycle(spec.ngram.estimate(NGRAM_PRIOR), len(copied))
         return tokens_per_cycle(self.acceptance(spec), model_k) if model_k else 1.0
 
-    def _worth_it(self, plan: CyclePlan, states: list[RequestState], cost: CostModel) -> CyclePlan:
-        """Drop copied drafts when the cycle they cost is slower than a plain step (batch effects)."""
-        if self.force or not any(plan.ngram) or plan.model_k:
+    def _worth_it(self, plan: CyclePlan, states: list[RequestState], cost: CostModel, probing: bool) -> CyclePlan:
+        """Drop copied drafts when the cycle they cost is slower than a plain step (batch effects),
+        unless a row probes its copies."""
+        if self.force or probing or not any(plan.ngram) or plan.model_k:
             return plan
         rows = len(states)
-        tokens = sum(self._expected(s, ng, 0) for s, ng in zip(states, plan.ngram, strict=True))
+        # A batch advances at its slowest row's pace: copies that only some rows have make every
+        # row's step cost more while the batch's step count stays bound by the rows without them
+        # (0.5B chat at batch 4, two of four rows copying, copies accepted 0.70: 186 of 189 steps
+        # left, 0.69x off), so a copying cycle must pay for its least-served row.
+        tokens = rows * min(self._expected(s, ng, 0) for s, ng in zip(states, plan.ngram, strict=True))
         longest = max(len(ng) for ng in plan.ngram)
         if tokens / cost.full_s(rows, longest + 1) > MIN_GAIN * rows / cost.full_s(rows):
             return plan
