@@ -174,9 +174,9 @@ struct Projection {
     return out.to(dtype);
   }
 
-  // y [m, n] = x [m, k] @ W^T (+ bias) for m <= kMaxRows rows of T (float, or bf16 bits; any m for
-  // LLM.int8()) on raw rows; the quantized formats compute in fp32 through x32 [m, k] and y32 [m, n] when T is bf16
-  // (the same steps as torch's x.to(float) ... y.to(bfloat16)).
+  // y [m, n] = x [m, k] @ W^T (+ bias) on raw rows of T (float, or bf16 bits), m <= kMaxRows (any m
+  // for LLM.int8()). With bf16 rows the quantized formats compute in fp32 through x32 [m, k] and
+  // y32 [m, n]: the same steps as torch's x.to(float) ... y.to(bfloat16).
   template <typename T>
   void apply(const T* x, T* y, int64_t m, float* x32, float* y32) const {
     constexpr bool bf16 = sizeof(T) == 2;
