@@ -12,9 +12,10 @@ at one row and loses at eight, where VNNI's dot products count) and remembered i
 `choices.json` in the build folder, keyed by the CPU model, its flags and METHOD.
 `build-kernels` measures every kind at install time, so every process on a machine reads the
 same choice (the numerics of variants differ in the order of fp32 sums, and two processes of
-one server must agree); a process whose CPU has no entry (an image built on another host) measures the kind it needs
-once, under the build folder's lock, and writes it when the folder is writable. A variant
-must be 3% faster than a wider one to be chosen, so that noise does not flip the choice.
+one server must agree); a process whose CPU has no entry (an image built on another host)
+measures the kind it needs once, under the build folder's lock, and writes it when the folder
+is writable. A variant must be 3% faster than a wider one to be chosen, so that noise does not
+flip the choice.
 """
 
 from __future__ import annotations
