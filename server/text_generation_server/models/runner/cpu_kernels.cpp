@@ -37,28 +37,6 @@ c10::optional<Tensor> present(const c10::optional<Tensor>& bias) {
   return bias.has_value() && bias->defined() ? bias : c10::nullopt;
 }
 
-Tensor small_m_linear(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias_in) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "small_m_linear: x and weight must be 2-D");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "small_m_linear: x and weight must be contiguous");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "small_m_linear: x is ", x.scalar_type(), " but weight is ",
-              weight.scalar_type());
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(weight.size(1) == k, "small_m_linear: x has ", k, " features, weight ", weight.size(1));
-  TORCH_CHECK(m >= 1 && m <= tgi::kMaxRows, "small_m_linear: ", m, " rows; at most ", tgi::kMaxRows);
-  const auto bias = present(bias_in);
-  if (bias) TORCH_CHECK(bias->numel() == n, "small_m_linear: bias has ", bias->numel(), " values, weight ", n, " rows");
-  check_float_dtype("small_m_linear", x);
-  const Tensor bias32 = bias ? bias->to(torch::kFloat).contiguous() : Tensor();
-  const float* bp = bias ? bias32.data_ptr<float>() : nullptr;
-  auto y = torch::empty({m, n}, x.options());
-  if (x.scalar_type() == torch::kFloat) {
-    tgi::linear_f32(ptr<float>(x), ptr<float>(weight), bp, ptr<float>(y), m, k, n);
-  } else {
-    tgi::linear_bf16(ptr<uint16_t>(x), ptr<uint16_t>(weight), bp, ptr<uint16_t>(y), m, k, n);
-  }
-  return y;
-}
-
 // ---- projections: a weight in one of the kernels' formats, with its bias -----------------------
 struct Projection {
   enum class Kind { kDense, kFourBit, kInt8, kInt8Weights } kind = Kind::kDense;
@@ -243,6 +221,19 @@ struct Projection {
   }
 };
 
+// The dense Projection for one product, with this op's own checks (it refuses more than kMaxRows rows).
+Tensor small_m_linear(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "small_m_linear: x and weight must be 2-D");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "small_m_linear: x and weight must be contiguous");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "small_m_linear: x is ", x.scalar_type(), " but weight is ",
+              weight.scalar_type());
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(weight.size(1) == k, "small_m_linear: x has ", k, " features, weight ", weight.size(1));
+  TORCH_CHECK(m >= 1 && m <= tgi::kMaxRows, "small_m_linear: ", m, " rows; at most ", tgi::kMaxRows);
+  check_float_dtype("small_m_linear", x);
+  return Projection::dense(weight, bias)(x);
+}
+
 // ---- elementwise and attention ----------------------------------------------------------------
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm: x and weight must be contiguous");
@@ -359,7 +350,7 @@ class Scratch {
     next_ += padded(count * static_cast<int64_t>(sizeof(T)));
     return out;
   }
-  static int64_t padded(int64_t bytes) { return (bytes + 63) / 64 * 64 + 64; }
+  static int64_t padded(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
  private:
   char* next_;
