@@ -7,7 +7,7 @@ greedy decoding with
 - verified: the shipped policy (`--policy auto`, or a file) with its drafting adapted as served
   (per-cycle draft length, per-rule switch-off, per-request auto-off), n-gram drafts included;
 - speculate: upstream's `--speculate N` meaning: n-gram drafts only, every request;
-interleaved (off, verified, speculate, off, ...), medians of `--repeats`. Each row reports the
+interleaved (off, verified, speculate; then verified, speculate, off; ...), medians of `--repeats`. Each row reports the
 tokens/s ratios, acceptance per drafter and mean draft length and auto-off count (summed over the
 repeats), the rules switched off by then, and the cost model
 (draft / step and verify(k+1) / step) that explains the ratio. Every run checks that the
@@ -110,9 +110,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def side_by_side(runs: dict[str, CausalLM], prompts: list[str], new_tokens: int, repeats: int) -> dict[str, Any]:
     figures: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, lm in runs.items():
-            figures[name].append(decode(lm, prompts, new_tokens))
+    names = list(runs)
+    for repeat in range(repeats):  # each mode takes each place in the order in turn (no place's bias)
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            figures[name].append(decode(runs[name], prompts, new_tokens))
     out: dict[str, Any] = {}
     for name, rows in figures.items():
         summary = summarize(rows)

@@ -67,3 +67,28 @@ def test_cost_model_prefers_long_drafts_only_when_acceptance_is_high() -> None:
     state.model.record(drafted=4, accepted=4)
     state.model.record(drafted=4, accepted=1)
     assert state.acceptance == (5 + 1) / (5 + 1 + 2)
+
+
+def test_fitted_drafts_replace_noisy_draft_timings_by_a_plane_in_layers_and_head_rows() -> None:
+    """Drafts timed as 40 ms - 1.5 ms per layer bypassed + 90 ns per head row, with +-3 ms of
+    noise on each (as on a shared machine): the fit lies within 1.5 ms of the plane everywhere and
+    orders the configurations as the plane does; too few configurations are left as measured."""
+    base = CostModel.flat(step_s=0.050, verify_s=(0.050, 0.052), layer_s=0.0015)
+    vocab_size = 151936
+    generator = torch.Generator().manual_seed(0)
+    truth, measured = {}, {}
+    for layers in (4, 6, 8, 10, 12):
+        for vocab in (0, 4096, 16384, 32768):
+            key = (frozenset(range(1, layers + 1)), vocab)
+            truth[key] = 0.040 - 0.0015 * layers + 90e-9 * (vocab or vocab_size)
+            one, four = (0.003 * (2 * float(torch.rand((), generator=generator)) - 1) for _ in range(2))
+            measured[key] = (truth[key] + one, truth[key] + 0.002 + four)
+    noisy = CostModel(base.tokens, base.forward_s, base.layer_s, vocab_size=vocab_size, drafts=measured)
+    fitted = noisy.fitted_drafts()
+    assert max(abs(fitted.drafts[k][0] - truth[k]) for k in truth) < 0.0015
+    assert max(abs(fitted.drafts[k][1] - truth[k] - 0.002) for k in truth) < 0.0015
+    assert max(abs(noisy.drafts[k][0] - truth[k]) for k in truth) > 0.002  # the noise was there
+    assert sorted(truth, key=truth.__getitem__) == sorted(truth, key=lambda k: fitted.drafts[k][0])
+    few = CostModel(base.tokens, base.forward_s, base.layer_s, vocab_size=vocab_size,
+                    drafts=dict(list(measured.items())[:3]))
+    assert few.fitted_drafts() is few

@@ -1,9 +1,10 @@
 """The `calibrate --objective verified` run: rank layers, measure acceptance, choose, write the policy.
 
 Writes `<out>` (the policy), `<out stem>.evidence.json` (acceptance per class x skip depth x
-head size, the cost model, predicted speed-ups on both splits, n-gram acceptance per class, the
-detector's value) and `<out stem>.frontier.png` (acceptance against the draft's saved step time).
-See verified.py for the method.
+head size, the cost model with its drafts fitted to a plane and as measured, predicted
+speed-ups on both splits, n-gram acceptance per class, the detector's value) and
+`<out stem>.frontier.png` (acceptance against the draft's saved step time). See verified.py for
+the method.
 """
 
 from __future__ import annotations
@@ -80,16 +81,19 @@ def layer_order(engine: Engine, profile_csv: Path | None, prompts: list[Prompt],
     return sorted(usable, key=lambda i: -agreement[i])
 
 
-def _cost(engine: Engine, skip_sets: list[frozenset[int]], config: VerifiedConfig, vocab: Any) -> CostModel:
+def _cost(engine: Engine, skip_sets: list[frozenset[int]], config: VerifiedConfig,
+          vocab: Any) -> tuple[CostModel, CostModel]:
+    """The cost model the choice uses (drafts fitted to a plane), and the one measured."""
     heads = heads_for(engine, vocab, [s for s in config.sizes if s])
     assert engine.runner is not None
     configs = [(skip, size) for skip in skip_sets for size in config.sizes]
-    cost = CostModel.measure(engine.runner, configs, heads)
+    measured = CostModel.measure(engine.runner, configs, heads)
+    cost = measured.fitted_drafts()
     if config.verify_cost == "flat":
         step = cost.forward_s[0]
         flat = tuple(step if t <= 8 else step * t / 8 for t in cost.tokens)
         cost = CostModel(cost.tokens, flat, cost.layer_s, cost.head_s, cost.vocab_size, cost.drafts)
-    return cost
+    return cost, measured
 
 
 def _table(runs: list[PromptRun], scored: Scored, skip_sets: list[frozenset[int]]) -> list[dict[str, Any]]:
@@ -148,7 +152,7 @@ def calibrate_verified(engine: Engine, prompt_set: PromptSet, calibration: list[
     vocab_size = int(engine.model.get_input_embeddings().weight.shape[0])
     vocab = ranking(runs, engine, vocab_size)
     note("calibrate: measuring the cost model on the runner ...")
-    cost = _cost(engine, skip_sets, config, vocab)
+    cost, measured = _cost(engine, skip_sets, config, vocab)
     scored = score(runs, skip_sets, config.sizes, cross_fitted(runs, engine, vocab_size), cost)
     default, rules = choose_rules(runs, scored)
     table = policy_table(engine.num_layers, skip_sets, scored, default, rules)
@@ -158,7 +162,8 @@ def calibrate_verified(engine: Engine, prompt_set: PromptSet, calibration: list[
     evidence: dict[str, Any] = {
         "objective": LayerSkipMode.VERIFIED.value, "verify_cost": config.verify_cost, "layer_order": order,
         "skip_sets": [sorted(s) for s in skip_sets], "vocab_sizes": list(config.sizes),
-        "new_tokens": config.new_tokens, "cost_model": cost.to_json(), "draft_vocab_source": vocab.source,
+        "new_tokens": config.new_tokens, "cost_model": cost.to_json(),
+        "drafts_measured": measured.to_json()["drafts"], "draft_vocab_source": vocab.source,
         "draft_vocab_scoring": "calibration split: each prompt's reduced head ranked on the other half of the "
                                "prompts (cross-fitted); held-out: ranked on the whole calibration split",
         "default": {"skip": sorted(skip_sets[default[0]]), "vocab": default[1]},
