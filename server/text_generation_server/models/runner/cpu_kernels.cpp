@@ -43,6 +43,7 @@ struct Projection {
   Tensor weight;           // dense [n, k]; 4-bit codes (n * k / 2 bytes); int8 CB [n, k]
   Tensor absmax, table;    // 4-bit: fp32 absmax per block, the 16 code values
   Tensor scales;           // int8: SCB [n] (the absmax of each weight row)
+  Tensor row_sums;         // LLM.int8(): int32 [n], the sum of each row's codes
   Tensor bias;             // undefined, or [n] in the compute dtype
   Tensor bias32;           // the bias in fp32 for the kernels
   int64_t n = 0, k = 0, blocksize = 0;
@@ -94,6 +95,7 @@ struct Projection {
     p.kind = Kind::kInt8;
     p.weight = codes;
     p.scales = scales;
+    p.row_sums = codes.sum(1, false, torch::kInt).contiguous();
     p.n = codes.size(0);
     p.k = codes.size(1);
     p.threshold = threshold;
@@ -132,7 +134,7 @@ struct Projection {
 
   int64_t nbytes() const {
     int64_t total = 0;
-    for (const Tensor* t : {&weight, &absmax, &scales, &bias})
+    for (const Tensor* t : {&weight, &absmax, &scales, &row_sums, &bias})
       if (t->defined()) total += t->numel() * t->element_size();
     return total;
   }
@@ -183,7 +185,7 @@ struct Projection {
     } else if (kind == Kind::kInt8Weights) {
       tgi::linear_int8_weights(xf, ptr<int8_t>(weight), scales.data_ptr<float>(), blocksize, bp, yf, m, k, n);
     } else {
-      const tgi::Int8Weight w{ptr<int8_t>(weight), scales.data_ptr<float>()};
+      const tgi::Int8Weight w{ptr<int8_t>(weight), scales.data_ptr<float>(), row_sums.data_ptr<int32_t>()};
       tgi::linear_int8(xf, w, bp, yf, m, k, n, static_cast<float>(threshold), bf16);
     }
     if constexpr (bf16) tgi::narrow_bf16(y32, y, m * n);

@@ -40,6 +40,7 @@ void linear_4bit(const float* x, const Packed4& w, const float* bias, float* y, 
 struct Int8Weight {
   const int8_t* codes;  // CB [n, k], row-wise absmax quantized
   const float* scales;  // SCB [n]: absmax of each weight row
+  const int32_t* row_sums;  // [n]: the sum of each row's codes (for VNNI's unsigned x)
 };
 void linear_int8(const float* x, const Int8Weight& w, const float* bias, float* y, int64_t m, int64_t k, int64_t n,
                  float threshold, bool round_bf16);

@@ -17,9 +17,11 @@
 // of fp32 operations, so the result equals bitsandbytes' up to the order of the outlier sum.
 // The int8 dot products: AVX2 and AVX-512BW move x's sign onto w and sum |x| * w with maddubs
 // (|x|, |w| <= 127: pairs never saturate); AVX-512 VNNI sums (x + 128) * w with vpdpbusd and
-// takes back 128 * sum(w).
+// takes back 128 * sum(w) (each weight row's sum is kept with the weight). A weight chunk is
+// loaded once for a tile of x rows.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -220,60 +222,76 @@ QuantizedX quantize_rows(const float* x, int64_t m, int64_t k, float threshold) 
   return q;
 }
 
-inline I dot_i8(I acc, I w, const uint8_t* xu, const int8_t* xs) {
+// One chunk of a quantized x row, as the dot product reads it.
+struct XChunk {
+  I u;  // |x| (x + 128 for VNNI)
+  I s;  // x (its sign moves onto w; unused by VNNI)
+};
+
+inline XChunk load_x(const QuantizedX& q, int64_t j, int64_t c) {
+  const int64_t at = j * q.padded_k + c;
 #if defined(__AVX512VNNI__)
-  (void)xs;
-  return _mm512_dpbusd_epi32(acc, simd::load_i(xu), w);
-#elif defined(__AVX512F__)
-  const __mmask64 negative = _mm512_movepi8_mask(simd::load_i(xs));
-  const I signed_w = _mm512_mask_sub_epi8(w, negative, _mm512_setzero_si512(), w);
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(simd::load_i(xu), signed_w),
-                                                 _mm512_set1_epi16(1)));
+  return {simd::load_i(q.unsigned_part.data() + at), simd::zero_i()};
 #else
-  const I signed_w = _mm256_sign_epi8(w, simd::load_i(xs));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(simd::load_i(xu), signed_w),
-                                                 _mm256_set1_epi16(1)));
+  return {simd::load_i(q.unsigned_part.data() + at), simd::load_i(q.signs.data() + at)};
 #endif
 }
 
-// Exact int32 sums of x row j against weight rows row .. row + R over the padded k.
-template <int R>
-void int8_sums(const int8_t* codes, int64_t k, const QuantizedX& q, int64_t j, int64_t row, int32_t* sums) {
-  I acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = simd::zero_i();
+inline I dot_i8(I acc, I w, const XChunk& x) {
 #if defined(__AVX512VNNI__)
-  I weight_sums[R];
-  for (int r = 0; r < R; ++r) weight_sums[r] = simd::zero_i();
+  return _mm512_dpbusd_epi32(acc, x.u, w);
+#elif defined(__AVX512F__)
+  const __mmask64 negative = _mm512_movepi8_mask(x.s);
+  const I signed_w = _mm512_mask_sub_epi8(w, negative, _mm512_setzero_si512(), w);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(x.u, signed_w), _mm512_set1_epi16(1)));
+#else
+  const I signed_w = _mm256_sign_epi8(w, x.s);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x.u, signed_w), _mm256_set1_epi16(1)));
 #endif
-  const uint8_t* xu = q.unsigned_part.data() + j * q.padded_k;
-  const int8_t* xs = q.signs.data() + j * q.padded_k;
+}
+
+// x rows per tile: each weight chunk is loaded once for MT rows (32 vector registers hold 4 x 4
+// sums, 16 hold 4 x 2).
+#if defined(__AVX512F__)
+constexpr int kInt8Tile = 4;
+#else
+constexpr int kInt8Tile = 2;
+#endif
+
+// Exact int32 sums of x rows j0 .. j0 + MT against weight rows row .. row + R over the padded k.
+template <int R, int MT>
+void int8_sums(const Int8Weight& w, int64_t k, const QuantizedX& q, int64_t j0, int64_t row, int32_t (&sums)[R][MT]) {
+  I acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < MT; ++j) acc[r][j] = simd::zero_i();
   auto step = [&](int64_t c, bool tail) {
+    I wv[R];
     for (int r = 0; r < R; ++r) {
-      const int8_t* w = codes + (row + r) * k + c;
-      I wv;
+      const int8_t* codes = w.codes + (row + r) * k + c;
       if (tail) {  // the last partial chunk, zero-padded
         alignas(64) int8_t part[kBytes] = {};
-        std::memcpy(part, w, k - c);
-        wv = simd::load_i(part);
+        std::memcpy(part, codes, k - c);
+        wv[r] = simd::load_i(part);
       } else {
-        wv = simd::load_i(w);
+        wv[r] = simd::load_i(codes);
       }
-      simd::prefetch_ahead(w);
-      acc[r] = dot_i8(acc[r], wv, xu + c, xs + c);
-#if defined(__AVX512VNNI__)
-      weight_sums[r] = _mm512_dpbusd_epi32(weight_sums[r], _mm512_set1_epi8(1), wv);
-#endif
+      if (j0 == 0) simd::prefetch_ahead(codes);
+    }
+    for (int j = 0; j < MT; ++j) {
+      const XChunk x = load_x(q, j0 + j, c);
+      for (int r = 0; r < R; ++r) acc[r][j] = dot_i8(acc[r][j], wv[r], x);
     }
   };
   const int64_t whole = k / kBytes * kBytes;
   for (int64_t c = 0; c < whole; c += kBytes) step(c, false);
   if (whole < k) step(whole, true);
-  for (int r = 0; r < R; ++r) {
-    sums[r] = simd::hsum_i32(acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < MT; ++j) {
+      sums[r][j] = simd::hsum_i32(acc[r][j]);
 #if defined(__AVX512VNNI__)
-    sums[r] -= 128 * simd::hsum_i32(weight_sums[r]);
+      sums[r][j] -= 128 * w.row_sums[row + r];  // the padding adds nothing: its w is 0
 #endif
-  }
+    }
 }
 
 }  // namespace
@@ -297,38 +315,67 @@ void linear_int8(const float* x, const Int8Weight& w, const float* bias, float* 
   const float to_float = static_cast<float>(6.200124e-05);  // bitsandbytes' 1 / 127^2 (a double, used as fp32)
   const float to_weight = static_cast<float>(7.874015718698502e-3);  // its 1 / 127
   const QuantizedX q = quantize_rows(x, m, k, threshold);
-  auto finish = [&](int64_t j, int64_t r, int32_t sum) {
+  const int64_t outliers = static_cast<int64_t>(q.outliers.size());
+  // x's outlier columns, [row][outlier]; each weight row's outlier weights are gathered once for
+  // every x row (a batch of 8 rows of the 0.5B has ~15 outlier columns per projection, up to
+  // ~200: gathered again for each x row, they cost more than the int8 products).
+  std::vector<float> x_outliers(m * outliers);
+  for (int64_t j = 0; j < m; ++j)
+    for (int64_t o = 0; o < outliers; ++o) x_outliers[j * outliers + o] = x[j * k + q.outliers[o]];
+  // extra[j]: weight row r's outlier sum for x row j, in the order of the columns.
+  auto outlier_sums = [&](int64_t r, float* weights, float* extra) {
+    for (int64_t o = 0; o < outliers; ++o) {
+      weights[o] = static_cast<float>(w.codes[r * k + q.outliers[o]]) * w.scales[r] * to_weight;
+      if (round_bf16) weights[o] = simd::from_bf16(simd::to_bf16(weights[o]));
+    }
+    for (int64_t j = 0; j < m; ++j) {
+      const float* xo = x_outliers.data() + j * outliers;
+      float sum = 0.0f;
+      for (int64_t o = 0; o < outliers; ++o) sum += xo[o] * weights[o];
+      extra[j] = sum;
+    }
+  };
+  auto finish = [&](int64_t j, int64_t r, int32_t sum, const float* extra) {  // extra: row r's outlier sums
     float value = static_cast<float>(sum) * (q.scales[j] * w.scales[r]) * to_float;
     if (bias) value += bias[r];
-    if (!q.outliers.empty()) {
+    if (outliers) {
       if (round_bf16) value = simd::from_bf16(simd::to_bf16(value));
-      float extra = 0.0f;
-      for (const int64_t c : q.outliers) {
-        float weight = static_cast<float>(w.codes[r * k + c]) * w.scales[r] * to_weight;
-        if (round_bf16) weight = simd::from_bf16(simd::to_bf16(weight));
-        extra += x[j * k + c] * weight;
-      }
-      value += extra;
+      value += extra[j];
     }
     y[j * n + r] = value;
+  };
+  // Weight rows row .. row + R against x rows j0 .. j0 + MT, into block_sums [R][m].
+  auto tile = [&]<int R, int MT>(int64_t row, int64_t j0, int32_t* block_sums) {
+    int32_t sums[R][MT];
+    int8_sums<R, MT>(w, k, q, j0, row, sums);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < MT; ++j) block_sums[r * m + j0 + j] = sums[r][j];
+  };
+  // Weight rows row .. row + R against every x row; the outlier weights are gathered after the
+  // products, while those rows are in the cache.
+  auto all_x = [&]<int R>(int64_t row, int32_t* block_sums, float* weights, float* extra) {
+    int64_t j0 = 0;
+    for (; j0 + kInt8Tile <= m; j0 += kInt8Tile) tile.template operator()<R, kInt8Tile>(row, j0, block_sums);
+    switch (m - j0) {  // the last partial tile
+      case 3: if constexpr (kInt8Tile > 3) tile.template operator()<R, 3>(row, j0, block_sums); break;
+      case 2: if constexpr (kInt8Tile > 2) tile.template operator()<R, 2>(row, j0, block_sums); break;
+      case 1: tile.template operator()<R, 1>(row, j0, block_sums); break;
+      default: break;
+    }
+    for (int r = 0; r < R; ++r) {
+      if (outliers) outlier_sums(row + r, weights, extra);
+      for (int64_t j = 0; j < m; ++j) finish(j, row + r, block_sums[r * m + j], extra);
+    }
   };
   const int64_t blocks = (n + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 4 * k));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    std::vector<int32_t> block_sums(4 * m);
+    std::vector<float> weights(outliers), extra(outliers ? m : 0);
     const int64_t end = std::min(n, b1 * 4);
-    for (int64_t row = b0 * 4; row < end;) {
-      const int rows = row + 4 <= end ? 4 : 1;
-      for (int64_t j = 0; j < m; ++j) {
-        int32_t sums[4];
-        if (rows == 4) {
-          int8_sums<4>(w.codes, k, q, j, row, sums);
-        } else {
-          int8_sums<1>(w.codes, k, q, j, row, sums);
-        }
-        for (int r = 0; r < rows; ++r) finish(j, row + r, sums[r]);
-      }
-      row += rows;
-    }
+    int64_t row = b0 * 4;
+    for (; row + 4 <= end; row += 4) all_x.template operator()<4>(row, block_sums.data(), weights.data(), extra.data());
+    for (; row < end; ++row) all_x.template operator()<1>(row, block_sums.data(), weights.data(), extra.data());
   });
 }
 
