@@ -19,6 +19,7 @@ Speed-up of a cycle = tokens x step(rows) / (k x draft(rows) + forward(rows, k +
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -179,8 +180,8 @@ class CostModel:
     def measure(cls, runner: Runner, draft_configs: Iterable[DraftKey] = (), heads: DraftHeads | None = None,
                 repeats: int = 5, context: int = 64, max_tokens: int = 4 * (MAX_DRAFT + 1)) -> CostModel:
         """Time full forwards along TOKEN_LADDER (and BATCH_TOKENS at BATCH_ROWS) and each draft
-        configuration: medians of `repeats` interleaved rounds (a slow phase of a shared machine
-        then moves every figure alike instead of one, which decided whether drafting paid)."""
+        configuration, each against a plain step timed right before it, over `repeats` rounds (a
+        slow phase of a shared machine then moves a probe and its step alike; see _Timer)."""
         timer = _Timer(runner, repeats, context)
         ladder = tuple(t for t in TOKEN_LADDER if t <= max_tokens) or (1, 2)
         forward = [timer.add(1, t) for t in ladder]
@@ -206,8 +207,13 @@ class CostModel:
 
 class _Timer:
     """Forwards of `new` tokens per row after a `context`-token prefix, added as probes and timed in
-    interleaved rounds: each probe once per round (forwards of more than 8 tokens, which only set
-    the slope, in the first round only); the median of each."""
+    rounds: each probe once per round (forwards of more than 8 tokens, which only set the slope, in
+    the first round only), each right after a plain one-token step. A probe's figure is the
+    median over rounds of its time over that step's, times the median step: what drafting weighs
+    is the ratio, and on a shared machine the step itself drifts by 30% within seconds (four
+    0.5B measurements in a row: steps of 51-70 ms, and verify(2)/step from medians alone 1.0,
+    1.0, 1.2, 1.0; one serving process took the 1.2, judged every draft too costly and never
+    drafted, code completion 1.01x off where the run before had 1.22x)."""
 
     def __init__(self, runner: Runner, repeats: int, context: int) -> None:
         self.runner, self.repeats, self.context = runner, repeats, context
@@ -219,12 +225,15 @@ class _Timer:
         return len(self.probes) - 1
 
     def run(self) -> list[float]:
-        samples: list[list[float]] = [[] for _ in self.probes]
+        ratios: list[list[float]] = [[] for _ in self.probes]
+        steps: list[float] = []
         for round_ in range(self.repeats):
             for probe, (rows, new, skip, head) in enumerate(self.probes):
                 if round_ == 0 or rows * new <= 8:
-                    samples[probe].append(self.time(rows, new, skip, head))
-        return [sorted(values)[len(values) // 2] for values in samples]
+                    steps.append(self.time(1, 1, frozenset(), None))
+                    ratios[probe].append(self.time(rows, new, skip, head) / steps[-1])
+        step = statistics.median(steps)
+        return [statistics.median(values) * step for values in ratios]
 
     def _cache(self, rows: int) -> KVCache:
         cache = self.caches.get(rows)
