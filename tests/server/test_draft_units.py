@@ -23,7 +23,7 @@ from text_generation_server.models.draft_control import (
     SpeculateConfig,
 )
 from text_generation_server.models.draft_head import DraftHeads
-from text_generation_server.models.ngram import lookup
+from text_generation_server.models.ngram import NgramIndex, Watch, lookup
 from text_generation_server.models.runner import FastLlamaRunner
 from text_generation_server.models.speculative import SpecState
 from text_generation_server.sampling import (
@@ -170,28 +170,68 @@ def test_plan_cycle_uses_copies_first_and_drafts_only_when_it_pays() -> None:
     assert not cycle.drafts_anything  # verification costs 3 steps: plain decoding is faster
 
 
-def test_a_request_probes_its_copies_where_its_batch_would_not_draft_them() -> None:
-    """At 4 rows a verification costs 1.6-2.6 steps, so copies at the n-gram prior do not pay and a
-    request would never learn its own copy acceptance: its first match is drafted all the same (at
-    the length that pays at one row), then its measured acceptance decides."""
+def test_a_request_watches_the_copies_its_batch_does_not_draft() -> None:
+    """At 4 rows a verification costs 1.6-2.6 steps, so copies at the n-gram prior do not pay: the
+    rows watch their matches instead, and the tokens they go on to generate measure their copy
+    acceptance for free. Copies that keep matching then pay at 4 rows; copies that miss never cost
+    a verification."""
     batched = {2: ((1, 2, 4), (1.2, 1.5, 2.0)), 4: ((1, 2, 4), (1.6, 2.6, 4.0))}
     cost = CostModel((1, 2, 4, 8), (1.0, 1.02, 1.05, 1.2), layer_s=0.03, batched=batched)
     controller = DraftController(lambda: cost, max_draft=4, ngram=True)
     ids = [4, 5, 6, 7, 8, 9, 4, 5]
     rows = [_state(i, list(ids), SpecState(rule="r")) for i in range(4)]
     assert cost.best_free_k(NGRAM_PRIOR, rows=4) == (0, 1.0)
-    probe = controller.plan_cycle(rows)
-    assert all(copies == [6, 7, 8, 9][: len(copies)] and copies for copies in probe.ngram)
-    for state, copies in zip(rows, probe.ngram, strict=True):  # copies accepted whole
-        controller.record(state, "ngram", len(copies), len(copies))
-    assert all(controller.plan_cycle(rows).ngram)  # acceptance measured high: copies pay at 4 rows
+    assert not controller.plan_cycle(rows).drafts_anything
+    for state in rows:
+        assert state.spec is not None and state.spec.watch is not None
+        for token in state.spec.watch.tokens:  # the copies come true, one token per step
+            controller.observe(state)
+            state.all_ids.append(token)
+        controller.observe(state)
+    assert all(s.spec is not None and s.spec.watched.accepted == 4 and s.spec.ngram.cycles == 0 for s in rows)
+    cycle = controller.plan_cycle(rows)
+    assert all(cycle.ngram) and all(s.spec is not None and s.spec.watch is None for s in rows)
     # Two rows without a match bound the batch's pace: the copying rows' drafts no longer pay.
     unmatched = [_state(9, [1, 2, 3], SpecState(rule="r")), _state(10, [1, 2, 3], SpecState(rule="r"))]
     assert not controller.plan_cycle([*rows[:2], *unmatched]).drafts_anything
-    rejecting = [_state(i, list(ids), SpecState(rule="r")) for i in range(4)]
-    for state, copies in zip(rejecting, controller.plan_cycle(rejecting).ngram, strict=True):
-        controller.record(state, "ngram", len(copies), 0)
-    assert not controller.plan_cycle(rejecting).drafts_anything  # one probe each, then plain decoding
+    # Copies the output departs from at once: one watch each settles (drafted 4, kept 0).
+    missing = [_state(i, list(ids), SpecState(rule="r")) for i in range(4)]
+    assert not controller.plan_cycle(missing).drafts_anything
+    for state in missing:
+        state.all_ids.append(1)
+        controller.observe(state)
+        assert state.spec is not None and state.spec.watch is None
+        assert (state.spec.watched.drafted, state.spec.watched.accepted) == (4, 0)
+
+
+def test_a_watch_settles_as_a_drafted_cycle_would_count() -> None:
+    watch = Watch(start=3, tokens=[7, 8, 9])
+    assert watch.settle([1, 2, 3]) is None  # nothing generated yet
+    assert watch.settle([1, 2, 3, 7, 8]) is None  # matching so far
+    assert watch.settle([1, 2, 3, 7, 8, 9]) == (3, 3)
+    assert watch.settle([1, 2, 3, 7, 5]) == (3, 1)
+    assert watch.settle([1, 2, 3, 5, 8, 9, 4]) == (3, 0)
+
+
+def test_ngram_index_grown_step_by_step_finds_what_a_full_scan_finds() -> None:
+    """The incremental index against a right-to-left scan of the whole context, on random token
+    streams over a small alphabet (many repeats), looked up after every token and after jumps."""
+    def scan(context: list[int], max_tokens: int) -> list[int]:
+        for n in range(min(3, len(context) - 1), 1, -1):
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start:start + n] == context[len(context) - n:]:
+                    return context[start + n:start + n + max_tokens]
+        return []
+
+    generator = torch.Generator().manual_seed(0)
+    for alphabet in (3, 6, 20):
+        stream = torch.randint(alphabet, (300,), generator=generator).tolist()
+        index, context = NgramIndex(), []
+        for position, token in enumerate(stream):
+            context.append(token)
+            if position % 7 != 3:  # some lookups skip tokens: the index catches up on several at once
+                assert index.lookup(context, 4) == scan(context, 4), (alphabet, position)
+        assert index.lookup(context[:50], 4) == scan(context[:50], 4)  # a shorter list re-indexes
 
 
 def test_a_request_s_own_drafts_count_once() -> None:

@@ -43,7 +43,7 @@ from text_generation_server.layerskip import (
 from text_generation_server.layerskip.detector import FEATURES
 from text_generation_server.models.cost_model import CostModel
 from text_generation_server.models.draft_head import DraftHeads
-from text_generation_server.models.ngram import lookup
+from text_generation_server.models.ngram import NgramIndex
 
 from .engine import Engine
 from .output import progress, spearman
@@ -115,9 +115,9 @@ def engine_detector() -> Any:
 
 def _score_ngrams(run: PromptRun, prompt_ids: list[int]) -> None:
     """Cycles the n-gram drafter would run over this continuation: proposals, hits, cycles."""
-    context, t = list(prompt_ids) + run.tokens[:1], 1
+    context, t, index = list(prompt_ids) + run.tokens[:1], 1, NgramIndex()
     while t < len(run.tokens):
-        proposal = lookup(context, NGRAM_DRAFTS)
+        proposal = index.lookup(context, NGRAM_DRAFTS)
         kept = 0
         while kept < len(proposal) and t + kept < len(run.tokens) and proposal[kept] == run.tokens[t + kept]:
             kept += 1

@@ -199,13 +199,14 @@ class CausalLM:
         return out
 
     def adapt_drafting(self, batch: CausalLMBatch, steps: dict[int, RowStep]) -> None:
-        """Count each drafting row's cycle (request and rule); a request whose model drafting does
-        not pay stops drafting with the model (auto-off)."""
+        """Count each drafting row's cycle (request and rule) and settle watched copies; a request
+        whose model drafting does not pay stops drafting with the model (auto-off)."""
         for state in batch.requests:
             step = steps[state.id]
-            if state.spec is None or not step.drafted or state.finished:
+            if state.spec is None or state.finished:
                 continue
-            if self.controller.record(state, step.source, step.drafted, step.accepted):
+            self.controller.observe(state)
+            if step.drafted and self.controller.record(state, step.source, step.drafted, step.accepted):
                 state.spec.auto_off = True
 
     def check_audit_twins(self, batch: CausalLMBatch, generations: list[Generation]) -> list[Generation]:

@@ -2,9 +2,10 @@
 
 Design note. Three levels decide, all from the measured cost model and measured acceptance:
 - per cycle and group (`plan_cycle`): each speculating row first tries an n-gram match (free
-  drafts, length chosen by its n-gram acceptance; a request's first match is drafted whenever it
-  would pay at one row, a probe, so that a batch whose verification is too costly for the prior
-  still learns the request's own copy acceptance); rows without one use the draft model, and
+  drafts, length chosen by its copy acceptance); a row whose match is not drafted (its batch
+  makes the verification cost more than the copies would save) watches it instead, so that its
+  copy acceptance is measured without a verification (ngram.Watch); rows without copies use
+  the draft model, and
   the group's model-draft length k (0 = none) is the one that maximises the group's expected
   tokens per second, plain decoding included as k = 0. So a batch where drafting does not pay
   (costly verification of rows x (k + 1) tokens) simply decodes plainly;
@@ -27,7 +28,7 @@ from loguru import logger
 
 from .batch import RequestState
 from .cost_model import MAX_DRAFT, CostModel, tokens_per_cycle
-from .ngram import lookup
+from .ngram import Watch
 from .speculative import MIN_CYCLES_BEFORE_AUTO_OFF, Counts, SpecState
 
 MAX_SPECULATE = 16  # --speculate limit (a verification of 17 tokens per row)
@@ -35,7 +36,6 @@ MIN_RULE_CYCLES = 16
 PROBE_EVERY = 16
 UNKNOWN_PRIOR = 0.6  # a rule without a calibrated acceptance: optimistic enough to be tried
 NGRAM_PRIOR = 0.5
-NGRAM_PROBES = 1  # copy cycles a request drafts on the prior alone even where its batch says no
 REQUEST_PRIOR_WEIGHT = 4.0  # the rule's estimate counts as this many observed drafts of a request
 # The policy's calibrated acceptance counts as this many drafts in a rule's pooled estimate: with 4,
 # one request's two rejected first drafts took the 0.5B's rule from 0.73 to 0.49, below the pay
@@ -72,6 +72,11 @@ class SpeculateConfig:
     @property
     def ngram_for_all(self) -> bool:
         return self.speculate is not None
+
+
+def copy_acceptance(spec: SpecState) -> float:
+    """A request's per-draft acceptance of its copies, drafted and watched, over NGRAM_PRIOR."""
+    return spec.ngram.plus(spec.watched).estimate(NGRAM_PRIOR)
 
 
 @dataclass
@@ -151,15 +156,13 @@ class DraftController:
         layers share one draft forward: it bypasses the layers all of them bypass (fewer layers
         bypassed never lowers a draft's acceptance, only raises its cost)."""
         cost, rows = self.costs(), len(states)
-        found = [self._ngram(s, cost, rows) for s in states]
-        ngram = [copies for copies, _ in found]
-        probing = any(probe for _, probe in found)
+        ngram = [self._ngram(s, cost, rows) for s in states]
         wants = [s.spec is not None and s.spec.model_drafting and not ng for s, ng in zip(states, ngram, strict=True)]
         drafting = [s.spec.skip for s, w in zip(states, wants, strict=True) if w and s.spec is not None]
         draft_skip = frozenset.intersection(*drafting) if drafting else frozenset()
         model_rows = [w and bool(draft_skip) for w in wants]
         if not any(model_rows):
-            return self._worth_it(CyclePlan(ngram, 0, model_rows), states, cost, probing)
+            return self._watch(self._worth_it(CyclePlan(ngram, 0, model_rows), states, cost), states)
         vocab = max((s.spec.vocab for s, m in zip(states, model_rows, strict=True) if m and s.spec), default=0)
         if any(s.spec.vocab == 0 for s, m in zip(states, model_rows, strict=True) if m and s.spec):
             vocab = 0  # a row asking for the full head gets it (a larger head is never less exact)
@@ -175,37 +178,56 @@ class DraftController:
         best = max(candidates, key=rate)
         if best and not self.force and rate(best) < MIN_GAIN * rate(0):
             best = 0
-        return self._worth_it(CyclePlan(ngram, best, model_rows, vocab, draft_skip), states, cost, probing)
+        plan = CyclePlan(ngram, best, model_rows, vocab, draft_skip)
+        return self._watch(self._worth_it(plan, states, cost), states)
 
-    def _ngram(self, state: RequestState, cost: CostModel, rows: int) -> tuple[list[int], bool]:
-        """The row's copied drafts, and whether they are a probe."""
+    def _ngram(self, state: RequestState, cost: CostModel, rows: int) -> list[int]:
+        """The row's copied drafts: as many as pay at this batch's size (force: the most allowed)."""
         spec = state.spec
         if spec is None or not self.ngram:
-            return [], False
-        if self.force:
-            return lookup(state.all_ids, self.max_draft), False
-        estimate = spec.ngram.estimate(NGRAM_PRIOR)
-        k = cost.best_free_k(estimate, rows, self.max_draft, MIN_GAIN)[0]
-        if k or spec.ngram.cycles >= NGRAM_PROBES:
-            return lookup(state.all_ids, k), False
-        # Measured on the 0.5B at batch 4: a 4-row x 2-token forward costs 1.3-1.7 steps, so copies at
-        # the prior never paid, no request drafted, and code editing (copies accepted ~1.0) never
-        # learnt that it copies. Its first match is drafted at the length that pays at one row.
-        copies = lookup(state.all_ids, cost.best_free_k(estimate, 1, self.max_draft, MIN_GAIN)[0])
-        return copies, bool(copies)
+            return []
+        k = self.max_draft if self.force else cost.best_free_k(copy_acceptance(spec), rows, self.max_draft,
+                                                               MIN_GAIN)[0]
+        return spec.index.lookup(state.all_ids, k)
+
+    def _watch(self, plan: CyclePlan, states: list[RequestState]) -> CyclePlan:
+        """Rows that draft copies drop their pending watch (the drafted cycle counts those tokens);
+        the others, with no watch pending, watch their match. Measured on the 0.5B at batch 4, where
+        a 4-row x 2-token forward costs 1.6-1.8 steps: copies at the prior never pay there, and
+        before watches each request drafted its first match anyway to learn its acceptance (code
+        completion 0.93x off, chat 0.94x, with these probes' cycles mostly rejected)."""
+        for state, copies in zip(states, plan.ngram, strict=True):
+            spec = state.spec
+            if spec is None or not self.ngram:
+                continue
+            if copies:
+                spec.watch = None
+            elif spec.watch is None:
+                watched = spec.index.lookup(state.all_ids, self.max_draft)
+                spec.watch = Watch(len(state.all_ids), watched) if watched else None
+        return plan
+
+    def observe(self, state: RequestState) -> None:
+        """After a step (its tokens appended): settle the row's watch once its tokens decide it."""
+        spec = state.spec
+        if spec is None or spec.watch is None:
+            return
+        settled = spec.watch.settle(state.all_ids)
+        if settled is not None:
+            spec.watched.record(*settled)
+            spec.watch = None
 
     def _expected(self, state: RequestState, copied: list[int], model_k: int) -> float:
         spec = state.spec
         if spec is None:
             return 1.0
         if copied:
-            return tokens_per_cycle(spec.ngram.estimate(NGRAM_PRIOR), len(copied))
+            return tokens_per_cycle(copy_acceptance(spec), len(copied))
         return tokens_per_cycle(self.acceptance(spec), model_k) if model_k else 1.0
 
-    def _worth_it(self, plan: CyclePlan, states: list[RequestState], cost: CostModel, probing: bool) -> CyclePlan:
-        """Drop copied drafts when the cycle they cost is slower than a plain step (batch effects),
-        unless a row probes its copies."""
-        if self.force or probing or not any(plan.ngram) or plan.model_k:
+    def _worth_it(self, plan: CyclePlan, states: list[RequestState], cost: CostModel) -> CyclePlan:
+        """Drop copied drafts when the cycle they cost is slower than a plain step (batch effects)."""
+        if self.force or not any(plan.ngram) or plan.model_k:
             return plan
         rows = len(states)
         # A batch advances at its slowest row's pace: copies that only some rows have make every

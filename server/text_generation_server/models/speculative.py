@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .cost_model import MAX_DRAFT, CostModel, tokens_per_cycle
+from .ngram import NgramIndex, Watch
 
 INITIAL_DRAFT = 1  # until acceptance is measured, the cheapest cycle
 MIN_CYCLES_BEFORE_AUTO_OFF = 2
@@ -67,6 +68,10 @@ class Counts:
         return Counts(max(self.cycles - other.cycles, 0), max(self.drafted - other.drafted, 0),
                       max(self.accepted - other.accepted, 0), max(self.rejections - other.rejections, 0))
 
+    def plus(self, other: Counts) -> Counts:
+        return Counts(self.cycles + other.cycles, self.drafted + other.drafted, self.accepted + other.accepted,
+                      self.rejections + other.rejections)
+
     def estimate(self, prior: float, weight: float = 2.0) -> float:
         """Per-draft acceptance (geometric model: each accepted draft a success, each cycle that
         stopped early a failure), with `weight` pseudo-observations at `prior`."""
@@ -82,7 +87,9 @@ class SpecState:
         skip / vocab: the draft model (layers bypassed, reduced head size; 0 = full head);
             an empty skip set means n-gram drafts only.
         k: the model-draft length of the last cycle.
-        model / ngram: this request's counts per drafter.
+        model / ngram: this request's counts per drafter (drafted cycles only).
+        watched: copies watched instead of drafted (ngram.Watch), counted as drafted cycles would be;
+            `watch` is the one pending, `index` the request's n-gram index.
         auto_off: model drafting stopped for this request (it did not pay); n-gram drafts go on.
     """
 
@@ -92,6 +99,9 @@ class SpecState:
     k: int = INITIAL_DRAFT
     model: Counts = field(default_factory=Counts)
     ngram: Counts = field(default_factory=Counts)
+    watched: Counts = field(default_factory=Counts)
+    watch: Watch | None = None
+    index: NgramIndex = field(default_factory=NgramIndex)
     auto_off: bool = False
 
     @property
