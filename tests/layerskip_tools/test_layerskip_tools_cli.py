@@ -217,6 +217,8 @@ def test_calibrate_verified_writes_draft_rules_with_evidence(work: dict[str, Pat
     assert all(0.0 <= r["acceptance"] <= 1.0 and r["speedup"] > 0 for r in table)
     assert [len(s) for s in evidence["skip_sets"]] == [2, 4] and evidence["cost_model"]["step_ms"] > 0
     assert set(evidence["cost_model"]["batched_ms"]) == {"2", "4"}  # verification priced per row count
+    ladders = [evidence["cost_model"]["forward_ms"], *evidence["cost_model"]["batched_ms"].values()]
+    assert all(list(ms.values()) == sorted(ms.values()) for ms in ladders)  # kept as monotone fits
     # Four draft configurations (2 depths x 2 heads) pin the plane the choice reads; the measured beside it.
     assert len(evidence["drafts_measured"]) == len(evidence["cost_model"]["drafts"]) == 4
     assert "cross-fitted" in evidence["draft_vocab_scoring"]

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from text_generation_server.layerskip import DraftSettings, DraftVocab, IdentityMap, Policy, Rule, RuleTable
 from text_generation_server.layerskip.policy import read_policy, save_policy
 from text_generation_server.models.batch import RequestState
-from text_generation_server.models.cost_model import CostModel, tokens_per_cycle
+from text_generation_server.models.cost_model import CostModel, monotone, tokens_per_cycle
 from text_generation_server.models.draft_control import (
     MIN_RULE_CYCLES,
     NGRAM_PRIOR,
@@ -123,6 +123,15 @@ def test_cost_model_interpolates_and_prefers_cheap_verification() -> None:
     measured = CostModel((1, 2), (1.0, 1.0), 0.0, drafts={(frozenset({1}), 0): (0.4, 0.7)})
     assert measured.draft_s(1, frozenset({1}), 0) == 0.4 and measured.draft_s(4, frozenset({1}), 0) == 0.7
     assert tokens_per_cycle(0.5, 2) == pytest.approx(1.75)
+
+
+def test_a_measured_ladder_is_kept_as_its_monotone_fit() -> None:
+    """More new tokens never cost less: a dip is pooled with its neighbours (least squares), a
+    non-decreasing ladder is kept as it is."""
+    assert monotone([1.0, 1.15, 1.07, 1.03, 1.08, 1.29]) == pytest.approx([1.0, 1.0825, 1.0825, 1.0825, 1.0825, 1.29])
+    assert monotone([1.0, 1.02, 1.0, 0.96]) == pytest.approx([0.995] * 4)
+    assert monotone([1.0, 1.0, 1.2, 3.0]) == (1.0, 1.0, 1.2, 3.0)
+    assert monotone([]) == ()
 
 
 def test_forwards_of_several_rows_are_priced_from_their_own_measurements() -> None:

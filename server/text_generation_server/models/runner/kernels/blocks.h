@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -129,20 +130,31 @@ inline void block(const W& w, const Prepared<typename W::X>& x, int64_t k, int64
   store<R, MT>(acc, y, n, m0, row, bias);
 }
 
-// x rows m0.. in tiles of T (the last one shorter), against weight rows row .. row + R.
+template <int T, class Fn>
+inline void last_tile(int64_t rest, int64_t m0, Fn& fn) {
+  if constexpr (T > 0) {
+    if (rest == T) {
+      fn(std::integral_constant<int, T>{}, m0);
+    } else {
+      last_tile<T - 1>(rest, m0, fn);
+    }
+  }
+}
+
+// fn(std::integral_constant<int, size>{}, m0) for x rows 0 .. m in tiles of T, the last one shorter:
+// every tile size is a compile-time constant, so each size gets its own unrolled code.
+template <int T, class Fn>
+inline void for_tiles(int64_t m, Fn&& fn) {
+  int64_t m0 = 0;
+  for (; m0 + T <= m; m0 += T) fn(std::integral_constant<int, T>{}, m0);
+  last_tile<T - 1>(m - m0, m0, fn);
+}
+
+// x rows in tiles of T against weight rows row .. row + R.
 template <class W, int R, int T, typename Out>
 inline void tiles(const W& w, const Prepared<typename W::X>& x, int64_t m, int64_t k, Out* y, int64_t n, int64_t row,
                   const float* bias) {
-  int64_t m0 = 0;
-  for (; m0 + T <= m; m0 += T) block<W, R, T>(w, x, k, m0, y, n, row, bias);
-  switch (m - m0) {  // the last partial tile
-    case 5: if constexpr (T > 5) block<W, R, 5>(w, x, k, m0, y, n, row, bias); break;
-    case 4: if constexpr (T > 4) block<W, R, 4>(w, x, k, m0, y, n, row, bias); break;
-    case 3: if constexpr (T > 3) block<W, R, 3>(w, x, k, m0, y, n, row, bias); break;
-    case 2: if constexpr (T > 2) block<W, R, 2>(w, x, k, m0, y, n, row, bias); break;
-    case 1: if constexpr (T > 1) block<W, R, 1>(w, x, k, m0, y, n, row, bias); break;
-    default: break;
-  }
+  for_tiles<T>(m, [&](auto size, int64_t m0) { block<W, R, decltype(size)::value>(w, x, k, m0, y, n, row, bias); });
 }
 
 // Weight rows row .. row + R against every x row. With 16 vector registers (AVX2) a block of 4

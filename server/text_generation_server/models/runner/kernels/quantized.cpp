@@ -354,14 +354,9 @@ void linear_int8(const float* x, const Int8Weight& w, const float* bias, float* 
   // Weight rows row .. row + R against every x row; the outlier weights are gathered after the
   // products, while those rows are in the cache.
   auto all_x = [&]<int R>(int64_t row, int32_t* block_sums, float* weights, float* extra) {
-    int64_t j0 = 0;
-    for (; j0 + kInt8Tile <= m; j0 += kInt8Tile) tile.template operator()<R, kInt8Tile>(row, j0, block_sums);
-    switch (m - j0) {  // the last partial tile
-      case 3: if constexpr (kInt8Tile > 3) tile.template operator()<R, 3>(row, j0, block_sums); break;
-      case 2: if constexpr (kInt8Tile > 2) tile.template operator()<R, 2>(row, j0, block_sums); break;
-      case 1: tile.template operator()<R, 1>(row, j0, block_sums); break;
-      default: break;
-    }
+    blocks::for_tiles<kInt8Tile>(m, [&](auto size, int64_t j0) {
+      tile.template operator()<R, decltype(size)::value>(row, j0, block_sums);
+    });
     for (int r = 0; r < R; ++r) {
       if (outliers) outlier_sums(row + r, weights, extra);
       for (int64_t j = 0; j < m; ++j) finish(j, row + r, block_sums[r * m + j], extra);
