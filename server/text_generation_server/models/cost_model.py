@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -221,6 +222,57 @@ class CostModel:
         return cls(ladder, monotone(seconds[p] for p in forward), layer_s, head_s, vocab_size,
                    {key: (seconds[one], seconds[four]) for key, (one, four) in drafts.items()},
                    {rows: (BATCH_TOKENS, monotone(seconds[p] for p in probes)) for rows, probes in batched.items()})
+
+
+class ObservedCosts:
+    """What a serving process's forwards cost against the prices the warm-up gave them.
+
+    The warm-up measures each forward a few times; on a shared machine its reading of a draft or a
+    verification can be off by 10-20% (the 1.5B's drafts read 0.62-0.67 steps in one process and
+    0.76 in another, and at 0.76 none ran), and a reading that prices drafting above its gain keeps
+    a process from ever drafting. So every timed group forward is kept as its ratio to its price,
+    plain steps and drafting cycles apart (WINDOW most recent of each); `scale`, the median
+    cycle's ratio over the median plain step's, multiplies the price of a cycle. A machine-wide slow
+    phase moves both medians and cancels; what remains is how cycles cost against plain steps as
+    served. Where the warm-up priced cycles too high nothing drafts and nothing is observed, so
+    `explore` lets one cycle in EXPLORE_EVERY through when its expected speed is within
+    EXPLORE_FLOOR of a plain step's (at most ~1% of steps, each at most ~10% slower)."""
+
+    WINDOW = 64
+    MIN_SAMPLES = 8  # of each kind before the scale moves from 1
+    EXPLORE_EVERY = 16
+    EXPLORE_FLOOR = 0.9
+
+    def __init__(self) -> None:
+        self.plain: deque[float] = deque(maxlen=self.WINDOW)
+        self.cycles: deque[float] = deque(maxlen=self.WINDOW)
+        self.near = 0  # plans that did not draft though within EXPLORE_FLOOR
+        self.explored = 0
+
+    def add(self, drafting: bool, priced_s: float, seconds: float) -> None:
+        if priced_s > 0:
+            (self.cycles if drafting else self.plain).append(seconds / priced_s)
+
+    @property
+    def scale(self) -> float:
+        """Observed cycle cost / priced, relative to plain steps' (1.0 until both kinds are sampled)."""
+        if min(len(self.plain), len(self.cycles)) < self.MIN_SAMPLES:
+            return 1.0
+        return statistics.median(self.cycles) / statistics.median(self.plain)
+
+    def explore(self, relative_speed: float) -> bool:
+        """Whether a plan that would not draft, at `relative_speed` of a plain step, drafts anyway."""
+        if relative_speed < self.EXPLORE_FLOOR:
+            return False
+        self.near += 1
+        if self.near % self.EXPLORE_EVERY:
+            return False
+        self.explored += 1
+        return True
+
+    def to_json(self) -> dict[str, float]:
+        return {"scale": self.scale, "plain_samples": len(self.plain), "cycle_samples": len(self.cycles),
+                "explored": self.explored}
 
 
 class _Timer:
