@@ -199,7 +199,8 @@ def run_model(model_id: str, dtype: str, args: argparse.Namespace) -> dict[str, 
                   f"{row['speculate_ratio']:.2f}x; model drafts accepted {_share(v, 'model')} (per repeat "
                   f"{v['model_drafted_runs']}), n-gram {_share(v, 'ngram')}, mean draft {v['mean_draft_length']:.1f}, "
                   f"auto-off {v['auto_off']}, rules off {row['rules_switched_off']}, cycle price scale "
-                  f"{row['observed_costs']['scale']:.2f} ({row['observed_costs']['explored']} explored so far), "
+                  f"{row['observed_costs']['scale'].get(str(batch), 1.0):.2f} "
+                  f"({row['observed_costs']['explored']} explored so far), "
                   f"identical {v['identical_to_off'] and r['speculate']['identical_to_off']}", flush=True)
     return result
 

@@ -291,13 +291,13 @@ def test_served_forwards_correct_the_warm_up_prices() -> None:
     assert all(p.priced_s > 1.8 for p in plans if p.model_k)  # draft(s) and a verification
     for plan in plans[:-ObservedCosts.EXPLORE_EVERY]:
         controller.observe_forward(plan, plan.priced_s * (0.7 if plan.model_k else 1.0))
-    assert controller.observed.scale == 1.0  # 7 cycles: not enough to move the prices
+    assert controller.observed.scale(1) == 1.0  # 7 cycles: not enough to move the prices
     controller.observe_forward(plans[-1], plans[-1].priced_s * 0.7)
-    assert controller.observed.scale == pytest.approx(0.7)
+    assert controller.observed.scale(1) == pytest.approx(0.7)
     assert all(controller.plan_cycle([state]).model_k > 0 for _ in range(4))
     for _ in range(ObservedCosts.WINDOW):
         controller.observe_forward(plans[-1], plans[-1].priced_s * 1.5)
-    assert controller.observed.scale == pytest.approx(1.5)
+    assert controller.observed.scale(1) == pytest.approx(1.5)
     assert not any(controller.plan_cycle([state]).model_k for _ in range(2 * ObservedCosts.EXPLORE_EVERY))
 
 

@@ -204,8 +204,8 @@ def test_no_drafting_when_the_cost_model_says_it_cannot_pay(fp32: Pair) -> None:
         assert stats["model_drafted"] == 0, stats
         assert tokens[i] == fp32.expected[i]
     observed = lm.controller.observed
-    assert observed.explored == 0 and observed.plain
-    assert all(0 < ratio < 1 for ratio in observed.plain)  # a real step against a price of 1 s
+    assert observed.explored == 0 and list(observed.plain) == [len(ids)]  # one group of both rows
+    assert all(0 < ratio < 1 for ratio in observed.plain[len(ids)])  # a real step against a price of 1 s
 
 
 def test_drafting_that_does_not_pay_stops(fp32: Pair, tmp_path: Path) -> None:

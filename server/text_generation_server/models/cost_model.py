@@ -231,12 +231,15 @@ class ObservedCosts:
     verification can be off by 10-20% (the 1.5B's drafts read 0.62-0.67 steps in one process and
     0.76 in another, and at 0.76 none ran), and a reading that prices drafting above its gain keeps
     a process from ever drafting. So every timed group forward is kept as its ratio to its price,
-    plain steps and drafting cycles apart (WINDOW most recent of each); `scale`, the median
-    cycle's ratio over the median plain step's, multiplies the price of a cycle. A machine-wide slow
-    phase moves both medians and cancels; what remains is how cycles cost against plain steps as
-    served. Where the warm-up priced cycles too high nothing drafts and nothing is observed, so
-    `explore` lets one cycle in EXPLORE_EVERY through when its expected speed is within
-    EXPLORE_FLOOR of a plain step's (at most ~1% of steps, each at most ~10% slower)."""
+    per row count, plain steps and drafting cycles apart (WINDOW most recent of each); `scale`,
+    the median cycle's ratio over the median plain step's at that row count, multiplies the price
+    of a cycle. A machine-wide slow phase moves both medians and cancels; what remains is how
+    cycles cost against plain steps as served. Row counts are kept apart because their errors
+    differ: pooled, the 0.5B's batch-1 cycles (0.85 of their price) made batch-4 drafting look
+    cheap, and its batch-4 cycles (1.2) then priced batch-1 drafting out. Where the warm-up priced
+    cycles too high nothing drafts and nothing is observed, so `explore` lets one cycle in
+    EXPLORE_EVERY through when its expected speed is within EXPLORE_FLOOR of a plain step's (at
+    most ~1% of steps, each at most ~10% slower)."""
 
     WINDOW = 64
     MIN_SAMPLES = 8  # of each kind before the scale moves from 1
@@ -244,21 +247,23 @@ class ObservedCosts:
     EXPLORE_FLOOR = 0.9
 
     def __init__(self) -> None:
-        self.plain: deque[float] = deque(maxlen=self.WINDOW)
-        self.cycles: deque[float] = deque(maxlen=self.WINDOW)
+        self.plain: dict[int, deque[float]] = {}  # rows -> seconds / price of recent plain steps
+        self.cycles: dict[int, deque[float]] = {}  # rows -> the same of recent drafting cycles
         self.near = 0  # plans that did not draft though within EXPLORE_FLOOR
         self.explored = 0
 
-    def add(self, drafting: bool, priced_s: float, seconds: float) -> None:
+    def add(self, rows: int, drafting: bool, priced_s: float, seconds: float) -> None:
         if priced_s > 0:
-            (self.cycles if drafting else self.plain).append(seconds / priced_s)
+            table = self.cycles if drafting else self.plain
+            table.setdefault(rows, deque(maxlen=self.WINDOW)).append(seconds / priced_s)
 
-    @property
-    def scale(self) -> float:
-        """Observed cycle cost / priced, relative to plain steps' (1.0 until both kinds are sampled)."""
-        if min(len(self.plain), len(self.cycles)) < self.MIN_SAMPLES:
+    def scale(self, rows: int) -> float:
+        """Observed cycle cost / priced, relative to plain steps', at `rows` rows (1.0 until both
+        kinds have MIN_SAMPLES there)."""
+        plain, cycles = self.plain.get(rows, ()), self.cycles.get(rows, ())
+        if min(len(plain), len(cycles)) < self.MIN_SAMPLES:
             return 1.0
-        return statistics.median(self.cycles) / statistics.median(self.plain)
+        return statistics.median(cycles) / statistics.median(plain)
 
     def explore(self, relative_speed: float) -> bool:
         """Whether a plan that would not draft, at `relative_speed` of a plain step, drafts anyway."""
@@ -270,8 +275,10 @@ class ObservedCosts:
         self.explored += 1
         return True
 
-    def to_json(self) -> dict[str, float]:
-        return {"scale": self.scale, "plain_samples": len(self.plain), "cycle_samples": len(self.cycles),
+    def to_json(self) -> dict[str, object]:
+        rows = sorted({*self.plain, *self.cycles})
+        return {"scale": {str(r): self.scale(r) for r in rows},
+                "samples": {str(r): [len(self.plain.get(r, ())), len(self.cycles.get(r, ()))] for r in rows},
                 "explored": self.explored}
 
 

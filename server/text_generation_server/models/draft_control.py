@@ -160,7 +160,8 @@ class DraftController:
         """The group's next cycle (rows in group order). Rows whose plans draft with different
         layers share one draft forward: it bypasses the layers all of them bypass (fewer layers
         bypassed never lowers a draft's acceptance, only raises its cost)."""
-        cost, rows, scale = self.costs(), len(states), self.observed.scale
+        cost, rows = self.costs(), len(states)
+        scale = self.observed.scale(rows)
         ngram = [self._ngram(s, cost, rows, scale) for s in states]
         wants = [s.spec is not None and s.spec.model_drafting and not ng for s, ng in zip(states, ngram, strict=True)]
         drafting = [s.spec.skip for s, w in zip(states, wants, strict=True) if w and s.spec is not None]
@@ -187,7 +188,7 @@ class DraftController:
 
     def observe_forward(self, plan: CyclePlan, seconds: float) -> None:
         """A planned group forward's time (drafts and verification, or a plain step) against its price."""
-        self.observed.add(plan.drafts_anything, plan.priced_s, seconds)
+        self.observed.add(len(plan.ngram), plan.drafts_anything, plan.priced_s, seconds)
 
     def _ngram(self, state: RequestState, cost: CostModel, rows: int, scale: float) -> list[int]:
         """The row's copied drafts: as many as pay at this batch's size (force: the most allowed)."""
@@ -275,13 +276,13 @@ class DraftController:
         if self.force or spec.model.cycles < MIN_CYCLES_BEFORE_AUTO_OFF:
             return False
         _, speedup = self.costs().best_k(self.acceptance(spec), spec.skip, spec.vocab, 1, self.max_draft)
-        return speedup < self.observed.scale
+        return speedup < self.observed.scale(1)
 
     def _judge_rule(self, name: str, rule: RuleRecord, spec: SpecState) -> None:
         if rule.counts.cycles < MIN_RULE_CYCLES or self.force:
             return
         _, speedup = self.costs().best_k(rule.estimate(), spec.skip, spec.vocab, 1, self.max_draft)
-        speedup /= self.observed.scale
+        speedup /= self.observed.scale(1)
         if speedup < 1.0 and not rule.disabled:
             rule.disabled = True
             logger.warning(f"Layer-skip rule {name!r}: measured acceptance {rule.estimate():.2f} makes drafting "
