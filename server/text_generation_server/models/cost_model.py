@@ -37,6 +37,11 @@ TOKEN_LADDER = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 28)  # new tokens per measured f
 BATCH_ROWS = (2, 4)  # row counts whose forwards are measured too, at BATCH_TOKENS new tokens per row
 BATCH_TOKENS: tuple[int, ...] = (1, 2, 3, 4, 5, 7)
 DRAFT_ROWS = (1, 4)
+# Forwards of up to this many activation rows (rows x new tokens) are timed in every round. With 8,
+# 4 rows x 3 and x 4 tokens were timed once, and one warm-up's 4-row ladder (56, 88, 143, 169 ms for
+# 1-4 tokens; another's 55, 101, 139, 155) made 1-token copies the best choice at batch 4 where
+# 3-token ones had paid: code editing 1.30x off instead of 1.59x.
+REPEATED_ROWS = 16
 
 DraftKey = tuple[frozenset[int], int]  # (layers bypassed, head size; 0 = the full head)
 
@@ -284,8 +289,9 @@ class ObservedCosts:
 
 class _Timer:
     """Forwards of `new` tokens per row after a `context`-token prefix, added as probes and timed in
-    rounds: each probe once per round (forwards of more than 8 tokens, which only set the slope, in
-    the first round only), each right after a plain one-token step. A probe's figure is the
+    rounds: each probe once per round (forwards of more than REPEATED_ROWS activation rows, beyond
+    the kernels' few-row path, only set the slope and run in the first round only), each right
+    after a plain one-token step. A probe's figure is the
     median over rounds of its time over that step's, times the median step: what drafting weighs
     is the ratio, and on a shared machine the step itself drifts by 30% within seconds (four
     0.5B measurements in a row: steps of 51-70 ms, and verify(2)/step from medians alone 1.0,
@@ -306,7 +312,7 @@ class _Timer:
         steps: list[float] = []
         for round_ in range(self.repeats):
             for probe, (rows, new, skip, head) in enumerate(self.probes):
-                if round_ == 0 or rows * new <= 8:
+                if round_ == 0 or rows * new <= REPEATED_ROWS:
                     steps.append(self.time(1, 1, frozenset(), None))
                     ratios[probe].append(self.time(rows, new, skip, head) / steps[-1])
         step = statistics.median(steps)
