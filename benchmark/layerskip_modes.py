@@ -10,10 +10,8 @@ greedy decoding with
 interleaved step by step (each round advances every mode's batch by one decode step; the mode
 that goes first rotates per repeat), medians of `--repeats`. Each row reports the
 tokens/s ratios, acceptance per drafter and mean draft length and auto-off count (summed over the
-repeats), the rules switched off by then, the cost model
-(draft / step and verify(k+1) / step) that explains the ratio, and what served forwards showed
-of it (`observed_costs`: the cycle price scale and the explorations so far, cumulative over the
-rows of one model and dtype, as in a serving process). Every run checks that the
+repeats), the rules switched off by then, and the cost model
+(draft / step and verify(k+1) / step) that explains the ratio. Every run checks that the
 greedy tokens equal off's. JSON in benchmark/results/layerskip_modes.json.
 
 Usage: PYTHONPATH=benchmark:tests .venv/bin/python benchmark/layerskip_modes.py
@@ -191,16 +189,13 @@ def run_model(model_id: str, dtype: str, args: argparse.Namespace) -> dict[str, 
                    "speculate_ratio": r["speculate"]["tokens_per_s"] / r["off"]["tokens_per_s"],
                    "verified": r["verified"], "speculate": r["speculate"], "off": r["off"],
                    "rules_switched_off": sorted(n for n, rec in lms["verified"].controller.rules.items()
-                                                if rec.disabled),
-                   "observed_costs": lms["verified"].controller.observed.to_json()}
+                                                if rec.disabled)}
             result["rows"][f"{name}/b{batch}"] = row
             v = r["verified"]
             print(f"  {name:<15} b{batch}: verified {row['verified_ratio']:.2f}x off, speculate "
                   f"{row['speculate_ratio']:.2f}x; model drafts accepted {_share(v, 'model')} (per repeat "
                   f"{v['model_drafted_runs']}), n-gram {_share(v, 'ngram')}, mean draft {v['mean_draft_length']:.1f}, "
-                  f"auto-off {v['auto_off']}, rules off {row['rules_switched_off']}, cycle price scale "
-                  f"{row['observed_costs']['scale'].get(str(batch), 1.0):.2f} "
-                  f"({row['observed_costs']['explored']} explored so far), "
+                  f"auto-off {v['auto_off']}, rules off {row['rules_switched_off']}, "
                   f"identical {v['identical_to_off'] and r['speculate']['identical_to_off']}", flush=True)
     return result
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from text_generation_server.layerskip import DraftSettings, DraftVocab, IdentityMap, Policy, Rule, RuleTable
 from text_generation_server.layerskip.policy import read_policy, save_policy
 from text_generation_server.models.batch import RequestState
-from text_generation_server.models.cost_model import CostModel, ObservedCosts, monotone, tokens_per_cycle
+from text_generation_server.models.cost_model import CostModel, monotone, tokens_per_cycle
 from text_generation_server.models.draft_control import (
     MIN_RULE_CYCLES,
     NGRAM_PRIOR,
@@ -194,9 +194,9 @@ def test_a_request_watches_the_copies_its_batch_does_not_draft() -> None:
     for state in rows:
         assert state.spec is not None and state.spec.watch is not None
         for token in state.spec.watch.tokens:  # the copies come true, one token per step
-            controller.settle(state)
+            controller.observe(state)
             state.all_ids.append(token)
-        controller.settle(state)
+        controller.observe(state)
     assert all(s.spec is not None and s.spec.watched.accepted == 4 and s.spec.ngram.cycles == 0 for s in rows)
     cycle = controller.plan_cycle(rows)
     assert all(cycle.ngram) and all(s.spec is not None and s.spec.watch is None for s in rows)
@@ -208,7 +208,7 @@ def test_a_request_watches_the_copies_its_batch_does_not_draft() -> None:
     assert not controller.plan_cycle(missing).drafts_anything
     for state in missing:
         state.all_ids.append(1)
-        controller.settle(state)
+        controller.observe(state)
         assert state.spec is not None and state.spec.watch is None
         assert (state.spec.watched.drafted, state.spec.watched.accepted) == (4, 0)
 
@@ -274,31 +274,6 @@ def test_a_rule_that_does_not_pay_is_switched_off_and_probed() -> None:
     for _ in range(4 * MIN_RULE_CYCLES):
         controller.record(state, "model", 3, 3)
     assert not controller.rules["bad"].disabled  # acceptance recovered
-
-
-def test_served_forwards_correct_the_warm_up_prices() -> None:
-    """A warm-up that priced drafting a little too high (a 0.8-step draft at acceptance 0.8: 0.97x
-    a plain step, short of MIN_GAIN): one such plan in EXPLORE_EVERY drafts all the same; its
-    forwards, timed at 0.7 of their price while plain steps take theirs, bring the scale to 0.7
-    and then every cycle drafts. Cycles timed at 1.5x their price stop it, explorations too."""
-    cost = CostModel((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.3), layer_s=0.1)
-    controller = DraftController(lambda: cost, max_draft=4, ngram=False)
-    controller.rule("r", 0.8)
-    state = _state(1, [1, 2, 3], SpecState(rule="r", skip=frozenset({1, 2})))
-    plans = [controller.plan_cycle([state]) for _ in range(ObservedCosts.MIN_SAMPLES * ObservedCosts.EXPLORE_EVERY)]
-    assert sum(p.model_k > 0 for p in plans) == ObservedCosts.MIN_SAMPLES == controller.observed.explored
-    assert all(p.priced_s == pytest.approx(1.0) for p in plans if not p.model_k)  # a plain step's price
-    assert all(p.priced_s > 1.8 for p in plans if p.model_k)  # draft(s) and a verification
-    for plan in plans[:-ObservedCosts.EXPLORE_EVERY]:
-        controller.observe_forward(plan, plan.priced_s * (0.7 if plan.model_k else 1.0))
-    assert controller.observed.scale(1) == 1.0  # 7 cycles: not enough to move the prices
-    controller.observe_forward(plans[-1], plans[-1].priced_s * 0.7)
-    assert controller.observed.scale(1) == pytest.approx(0.7)
-    assert all(controller.plan_cycle([state]).model_k > 0 for _ in range(4))
-    for _ in range(ObservedCosts.WINDOW):
-        controller.observe_forward(plans[-1], plans[-1].priced_s * 1.5)
-    assert controller.observed.scale(1) == pytest.approx(1.5)
-    assert not any(controller.plan_cycle([state]).model_k for _ in range(2 * ObservedCosts.EXPLORE_EVERY))
 
 
 def test_bad_settings_are_refused_by_name(tmp_path: Path) -> None:

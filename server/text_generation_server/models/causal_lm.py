@@ -9,7 +9,6 @@ dataclasses; the servicer turns them into protobuf.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -146,10 +145,7 @@ class CausalLM:
             group_steps = self.group_steps(batch)
         with clock.stage(Stage.FORWARD):
             for group_step in group_steps:
-                start = time.perf_counter()
                 group_step.forward(clock)
-                if group_step.plan is not None:
-                    self.controller.observe_forward(group_step.plan, time.perf_counter() - start)
         with clock.stage(Stage.CHOOSE):
             steps = {rid: row for group_step in group_steps for rid, row in group_step.choose().items()}
         with clock.stage(Stage.STOP):
@@ -193,14 +189,13 @@ class CausalLM:
         out: list[GroupStep] = []
         for group in batch.groups:
             states = [by_id[rid] for rid in group.request_ids]
-            cycle = None
             if group.cache.length and any(s.spec is not None for s in states):
                 cycle = self.controller.plan_cycle(states)
                 if cycle.drafts_anything:
                     head = self.heads.get(cycle.vocab) if cycle.model_k else None
                     out.append(VerifiedStep(self.runner, group, states, cycle, self.planner.biases, head))
                     continue
-            out.append(PlainStep(self.runner, group, states, self.planner.biases, cycle))
+            out.append(PlainStep(self.runner, group, states, self.planner.biases))
         return out
 
     def adapt_drafting(self, batch: CausalLMBatch, steps: dict[int, RowStep]) -> None:
@@ -210,7 +205,7 @@ class CausalLM:
             step = steps[state.id]
             if state.spec is None or state.finished:
                 continue
-            self.controller.settle(state)
+            self.controller.observe(state)
             if step.drafted and self.controller.record(state, step.source, step.drafted, step.accepted):
                 state.spec.auto_off = True
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -229,70 +228,12 @@ class CostModel:
                    {rows: (BATCH_TOKENS, monotone(seconds[p] for p in probes)) for rows, probes in batched.items()})
 
 
-class ObservedCosts:
-    """What a serving process's forwards cost against the prices the warm-up gave them.
-
-    The warm-up measures each forward a few times; on a shared machine its reading of a draft or a
-    verification can be off by 10-20% (the 1.5B's drafts read 0.62-0.67 steps in one process and
-    0.76 in another, and at 0.76 none ran), and a reading that prices drafting above its gain keeps
-    a process from ever drafting. So every timed group forward is kept as its ratio to its price,
-    per row count, plain steps and drafting cycles apart (WINDOW most recent of each); `scale`,
-    the median cycle's ratio over the median plain step's at that row count, multiplies the price
-    of a cycle. A machine-wide slow phase moves both medians and cancels; what remains is how
-    cycles cost against plain steps as served. Row counts are kept apart because their errors
-    differ: pooled, the 0.5B's batch-1 cycles (0.85 of their price) made batch-4 drafting look
-    cheap, and its batch-4 cycles (1.2) then priced batch-1 drafting out. Where the warm-up priced
-    cycles too high nothing drafts and nothing is observed, so `explore` lets one cycle in
-    EXPLORE_EVERY through when its expected speed is within EXPLORE_FLOOR of a plain step's (at
-    most ~1% of steps, each at most ~10% slower)."""
-
-    WINDOW = 64
-    MIN_SAMPLES = 8  # of each kind before the scale moves from 1
-    EXPLORE_EVERY = 16
-    EXPLORE_FLOOR = 0.9
-
-    def __init__(self) -> None:
-        self.plain: dict[int, deque[float]] = {}  # rows -> seconds / price of recent plain steps
-        self.cycles: dict[int, deque[float]] = {}  # rows -> the same of recent drafting cycles
-        self.near = 0  # plans that did not draft though within EXPLORE_FLOOR
-        self.explored = 0
-
-    def add(self, rows: int, drafting: bool, priced_s: float, seconds: float) -> None:
-        if priced_s > 0:
-            table = self.cycles if drafting else self.plain
-            table.setdefault(rows, deque(maxlen=self.WINDOW)).append(seconds / priced_s)
-
-    def scale(self, rows: int) -> float:
-        """Observed cycle cost / priced, relative to plain steps', at `rows` rows (1.0 until both
-        kinds have MIN_SAMPLES there)."""
-        plain, cycles = self.plain.get(rows, ()), self.cycles.get(rows, ())
-        if min(len(plain), len(cycles)) < self.MIN_SAMPLES:
-            return 1.0
-        return statistics.median(cycles) / statistics.median(plain)
-
-    def explore(self, relative_speed: float) -> bool:
-        """Whether a plan that would not draft, at `relative_speed` of a plain step, drafts anyway."""
-        if relative_speed < self.EXPLORE_FLOOR:
-            return False
-        self.near += 1
-        if self.near % self.EXPLORE_EVERY:
-            return False
-        self.explored += 1
-        return True
-
-    def to_json(self) -> dict[str, object]:
-        rows = sorted({*self.plain, *self.cycles})
-        return {"scale": {str(r): self.scale(r) for r in rows},
-                "samples": {str(r): [len(self.plain.get(r, ())), len(self.cycles.get(r, ()))] for r in rows},
-                "explored": self.explored}
-
-
 class _Timer:
     """Forwards of `new` tokens per row after a `context`-token prefix, added as probes and timed in
     rounds: each probe once per round (forwards of more than REPEATED_ROWS activation rows, beyond
     the kernels' few-row path, only set the slope and run in the first round only), each right
-    after a plain one-token step. A probe's figure is the
-    median over rounds of its time over that step's, times the median step: what drafting weighs
+    after a plain one-token step. A probe's figure is the median over rounds of its time over
+    that step's, times the median step: what drafting weighs
     is the ratio, and on a shared machine the step itself drifts by 30% within seconds (four
     0.5B measurements in a row: steps of 51-70 ms, and verify(2)/step from medians alone 1.0,
     1.0, 1.2, 1.0; one serving process took the 1.2, judged every draft too costly and never

@@ -5,13 +5,10 @@ Design note. Three levels decide, all from the measured cost model and measured 
   drafts, length chosen by its copy acceptance); a row whose match is not drafted (its batch
   makes the verification cost more than the copies would save) watches it instead, so that its
   copy acceptance is measured without a verification (ngram.Watch); rows without copies use
-  the draft model, and the group's model-draft length k (0 = none) is the one that maximises
-  the group's expected tokens per second, plain decoding included as k = 0. So a batch where
-  drafting does not pay (costly verification of rows x (k + 1) tokens) simply decodes plainly.
-  Cycles are priced by the warm-up's cost model times what served forwards showed
-  (`ObservedCosts.scale`: every planned group forward is timed against its price), and a cycle
-  that falls just short of paying is let through now and then, so a warm-up that priced
-  drafting too high is corrected by measuring, not kept for the process's life;
+  the draft model, and
+  the group's model-draft length k (0 = none) is the one that maximises the group's expected
+  tokens per second, plain decoding included as k = 0. So a batch where drafting does not pay
+  (costly verification of rows x (k + 1) tokens) simply decodes plainly;
 - per rule, across requests (`RuleRecord`): acceptance pooled over every request of a rule,
   starting from the policy's calibrated acceptance as a prior worth RULE_PRIOR_WEIGHT drafts.
   When a rule's expected speed at batch 1 falls below plain decoding after MIN_RULE_CYCLES
@@ -25,12 +22,12 @@ Design note. Three levels decide, all from the measured cost model and measured 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from loguru import logger
 
 from .batch import RequestState
-from .cost_model import MAX_DRAFT, CostModel, ObservedCosts, tokens_per_cycle
+from .cost_model import MAX_DRAFT, CostModel, tokens_per_cycle
 from .ngram import Watch
 from .speculative import MIN_CYCLES_BEFORE_AUTO_OFF, Counts, SpecState
 
@@ -112,7 +109,6 @@ class CyclePlan:
     model_rows: list[bool]  # per row: takes the model's drafts
     vocab: int = 0  # the model drafts' head size (0: the full head)
     skip: frozenset[int] = frozenset()  # the layers the model drafts bypass
-    priced_s: float = 0.0  # the group forward's seconds by the warm-up cost model (ObservedCosts)
 
     @property
     def drafts_anything(self) -> bool:
@@ -128,7 +124,6 @@ class DraftController:
         self.ngram = ngram  # n-gram drafts for speculating requests
         self.force = False  # benchmarks/tests: always draft (no pay check, no auto-off)
         self.rules: dict[str, RuleRecord] = {}
-        self.observed = ObservedCosts()
 
     def rule(self, name: str, prior: float | None) -> RuleRecord:
         record = self.rules.get(name)
@@ -161,14 +156,13 @@ class DraftController:
         layers share one draft forward: it bypasses the layers all of them bypass (fewer layers
         bypassed never lowers a draft's acceptance, only raises its cost)."""
         cost, rows = self.costs(), len(states)
-        scale = self.observed.scale(rows)
-        ngram = [self._ngram(s, cost, rows, scale) for s in states]
+        ngram = [self._ngram(s, cost, rows) for s in states]
         wants = [s.spec is not None and s.spec.model_drafting and not ng for s, ng in zip(states, ngram, strict=True)]
         drafting = [s.spec.skip for s, w in zip(states, wants, strict=True) if w and s.spec is not None]
         draft_skip = frozenset.intersection(*drafting) if drafting else frozenset()
         model_rows = [w and bool(draft_skip) for w in wants]
         if not any(model_rows):
-            return self._finish(CyclePlan(ngram, 0, model_rows), states, cost, scale)
+            return self._watch(self._worth_it(CyclePlan(ngram, 0, model_rows), states, cost), states)
         vocab = max((s.spec.vocab for s, m in zip(states, model_rows, strict=True) if m and s.spec), default=0)
         if any(s.spec.vocab == 0 for s, m in zip(states, model_rows, strict=True) if m and s.spec):
             vocab = 0  # a row asking for the full head gets it (a larger head is never less exact)
@@ -178,37 +172,23 @@ class DraftController:
         def rate(k: int) -> float:
             tokens = sum(self._expected(s, ng, k if m else 0)
                          for s, ng, m in zip(states, ngram, model_rows, strict=True))
-            seconds = cost.cycle_s(rows, k, draft, max(k, longest_copy))
-            return tokens / (seconds * scale if k or longest_copy else seconds)
+            return tokens / cost.cycle_s(rows, k, draft, max(k, longest_copy))
 
-        best = max(range(1, self.max_draft + 1), key=rate)
-        if not self.force and rate(best) < MIN_GAIN * rate(0) and not self.observed.explore(rate(best) / rate(0)):
+        candidates = range(1 if self.force else 0, self.max_draft + 1)
+        best = max(candidates, key=rate)
+        if best and not self.force and rate(best) < MIN_GAIN * rate(0):
             best = 0
-        return self._finish(CyclePlan(ngram, best, model_rows, vocab, draft_skip), states, cost, scale)
+        plan = CyclePlan(ngram, best, model_rows, vocab, draft_skip)
+        return self._watch(self._worth_it(plan, states, cost), states)
 
-    def observe_forward(self, plan: CyclePlan, seconds: float) -> None:
-        """A planned group forward's time (drafts and verification, or a plain step) against its price."""
-        self.observed.add(len(plan.ngram), plan.drafts_anything, plan.priced_s, seconds)
-
-    def _ngram(self, state: RequestState, cost: CostModel, rows: int, scale: float) -> list[int]:
+    def _ngram(self, state: RequestState, cost: CostModel, rows: int) -> list[int]:
         """The row's copied drafts: as many as pay at this batch's size (force: the most allowed)."""
         spec = state.spec
         if spec is None or not self.ngram:
             return []
         k = self.max_draft if self.force else cost.best_free_k(copy_acceptance(spec), rows, self.max_draft,
-                                                               MIN_GAIN * scale)[0]
+                                                               MIN_GAIN)[0]
         return spec.index.lookup(state.all_ids, k)
-
-    def _finish(self, plan: CyclePlan, states: list[RequestState], cost: CostModel, scale: float) -> CyclePlan:
-        """The plan without copies that do not pay, watches set, and its price (`priced_s`)."""
-        plan = self._watch(self._worth_it(plan, states, cost, scale), states)
-        rows, longest = len(states), max((len(c) for c in plan.ngram), default=0)
-        if plan.model_k:
-            priced = cost.cycle_s(rows, plan.model_k, cost.draft_s(rows, plan.skip, plan.vocab),
-                                  max(plan.model_k, longest))
-        else:
-            priced = cost.full_s(rows, longest + 1)
-        return replace(plan, priced_s=priced)
 
     def _watch(self, plan: CyclePlan, states: list[RequestState]) -> CyclePlan:
         """Rows that draft copies drop their pending watch (the drafted cycle counts those tokens);
@@ -227,7 +207,7 @@ class DraftController:
                 spec.watch = Watch(len(state.all_ids), watched) if watched else None
         return plan
 
-    def settle(self, state: RequestState) -> None:
+    def observe(self, state: RequestState) -> None:
         """After a step (its tokens appended): settle the row's watch once its tokens decide it."""
         spec = state.spec
         if spec is None or spec.watch is None:
@@ -245,7 +225,7 @@ class DraftController:
             return tokens_per_cycle(copy_acceptance(spec), len(copied))
         return tokens_per_cycle(self.acceptance(spec), model_k) if model_k else 1.0
 
-    def _worth_it(self, plan: CyclePlan, states: list[RequestState], cost: CostModel, scale: float) -> CyclePlan:
+    def _worth_it(self, plan: CyclePlan, states: list[RequestState], cost: CostModel) -> CyclePlan:
         """Drop copied drafts when the cycle they cost is slower than a plain step (batch effects)."""
         if self.force or not any(plan.ngram) or plan.model_k:
             return plan
@@ -256,7 +236,7 @@ class DraftController:
         # left, 0.69x off), so a copying cycle must pay for its least-served row.
         tokens = rows * min(self._expected(s, ng, 0) for s, ng in zip(states, plan.ngram, strict=True))
         longest = max(len(ng) for ng in plan.ngram)
-        if tokens / (cost.full_s(rows, longest + 1) * scale) > MIN_GAIN * rows / cost.full_s(rows):
+        if tokens / cost.full_s(rows, longest + 1) > MIN_GAIN * rows / cost.full_s(rows):
             return plan
         return CyclePlan([[] for _ in states], 0, plan.model_rows)
 
@@ -276,13 +256,12 @@ class DraftController:
         if self.force or spec.model.cycles < MIN_CYCLES_BEFORE_AUTO_OFF:
             return False
         _, speedup = self.costs().best_k(self.acceptance(spec), spec.skip, spec.vocab, 1, self.max_draft)
-        return speedup < self.observed.scale(1)
+        return speedup < 1.0
 
     def _judge_rule(self, name: str, rule: RuleRecord, spec: SpecState) -> None:
         if rule.counts.cycles < MIN_RULE_CYCLES or self.force:
             return
         _, speedup = self.costs().best_k(rule.estimate(), spec.skip, spec.vocab, 1, self.max_draft)
-        speedup /= self.observed.scale(1)
         if speedup < 1.0 and not rule.disabled:
             rule.disabled = True
             logger.warning(f"Layer-skip rule {name!r}: measured acceptance {rule.estimate():.2f} makes drafting "

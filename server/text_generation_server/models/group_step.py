@@ -48,10 +48,7 @@ Biases = Mapping[int, torch.Tensor]  # graceful bypass: layer index -> mean resi
 
 
 class GroupStep(Protocol):
-    """One group's step: `forward` once, then `choose` once. `plan`: the draft controller's plan
-    when it planned this step (speculating rows; its forward is timed against the plan's price)."""
-
-    plan: CyclePlan | None
+    """One group's step: `forward` once, then `choose` once."""
 
     def forward(self, clock: StageClock) -> None: ...
 
@@ -61,9 +58,8 @@ class GroupStep(Protocol):
 class PlainStep:
     """One forward of the group with its skip set, one token per row."""
 
-    def __init__(self, runner: Runner, group: PlanGroup, states: list[RequestState], biases: Biases,
-                 plan: CyclePlan | None = None) -> None:
-        self.runner, self.group, self.states, self.biases, self.plan = runner, group, states, biases, plan
+    def __init__(self, runner: Runner, group: PlanGroup, states: list[RequestState], biases: Biases) -> None:
+        self.runner, self.group, self.states, self.biases = runner, group, states, biases
         self.prefill = group.cache.length == 0
         self.logits: torch.Tensor | None = None  # [rows, 1 | new, vocab] after `forward`
 
@@ -96,7 +92,6 @@ class VerifiedStep:
     def __init__(self, runner: Runner, group: PlanGroup, states: list[RequestState], cycle: CyclePlan,
                  biases: Biases, head: DraftHead | None = None) -> None:
         self.runner, self.group, self.states, self.cycle = runner, group, states, cycle
-        self.plan: CyclePlan | None = cycle
         self.biases, self.head = biases, head
         self.proposals = [copied_drafts(ng, s.chooser.generator is not None) if ng else Proposal()
                           for s, ng in zip(states, cycle.ngram, strict=True)]
