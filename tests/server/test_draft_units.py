@@ -16,6 +16,8 @@ from text_generation_server.layerskip.policy import read_policy, save_policy
 from text_generation_server.models.batch import RequestState
 from text_generation_server.models.cost_model import CostModel, monotone, tokens_per_cycle
 from text_generation_server.models.draft_control import (
+    LEARN_FLOOR,
+    MIN_GAIN,
     MIN_RULE_CYCLES,
     NGRAM_PRIOR,
     PROBE_EVERY,
@@ -25,7 +27,7 @@ from text_generation_server.models.draft_control import (
 from text_generation_server.models.draft_head import DraftHeads
 from text_generation_server.models.ngram import NgramIndex, Watch, lookup
 from text_generation_server.models.runner import FastLlamaRunner
-from text_generation_server.models.speculative import SpecState
+from text_generation_server.models.speculative import MIN_CYCLES_BEFORE_AUTO_OFF, SpecState
 from text_generation_server.sampling import (
     NextTokenChooser,
     Proposal,
@@ -274,6 +276,27 @@ def test_a_rule_that_does_not_pay_is_switched_off_and_probed() -> None:
     for _ in range(4 * MIN_RULE_CYCLES):
         controller.record(state, "model", 3, 3)
     assert not controller.rules["bad"].disabled  # acceptance recovered
+
+
+def test_a_request_near_the_pay_line_drafts_its_first_cycles_to_learn() -> None:
+    """A prior that puts drafting just short of MIN_GAIN (1.03x here) does not decide alone: a new
+    request drafts its first MIN_CYCLES_BEFORE_AUTO_OFF cycles, then its own acceptance decides
+    (accepted: it goes on; rejected: plain decoding). A prior well below the line never drafts."""
+    skip = frozenset({1, 2})
+    cost = CostModel((1, 2, 4, 8), (1.0, 1.12, 1.15, 1.3), layer_s=0.175)  # a draft costs 0.65 steps
+    controller = DraftController(lambda: cost, max_draft=4, ngram=False)
+    controller.rule("r", 0.83)
+    assert 1.0 < cost.best_k(0.83, skip)[1] < MIN_GAIN
+    for accepted, then_drafts in ((1, True), (0, False)):
+        state = _state(accepted, [1, 2, 3], SpecState(rule="r", skip=skip))
+        for _ in range(MIN_CYCLES_BEFORE_AUTO_OFF):
+            drafts = controller.plan_cycle([state]).model_k
+            assert drafts >= 1
+            controller.record(state, "model", drafts, drafts * accepted)
+        assert (controller.plan_cycle([state]).model_k > 0) == then_drafts
+    controller.rule("low", 0.6)
+    assert cost.best_k(0.6, skip)[1] < LEARN_FLOOR
+    assert not controller.plan_cycle([_state(3, [1, 2, 3], SpecState(rule="low", skip=skip))]).model_k
 
 
 def test_bad_settings_are_refused_by_name(tmp_path: Path) -> None:
