@@ -5,10 +5,9 @@ Design note. Three levels decide, all from the measured cost model and measured 
   drafts, length chosen by its copy acceptance); a row whose match is not drafted (its batch
   makes the verification cost more than the copies would save) watches it instead, so that its
   copy acceptance is measured without a verification (ngram.Watch); rows without copies use
-  the draft model, and
-  the group's model-draft length k (0 = none) is the one that maximises the group's expected
-  tokens per second, plain decoding included as k = 0. So a batch where drafting does not pay
-  (costly verification of rows x (k + 1) tokens) simply decodes plainly;
+  the draft model, and the group's model-draft length k (0 = none) is the one that maximises
+  the group's expected tokens per second, plain decoding included as k = 0. So a batch where
+  drafting does not pay (costly verification of rows x (k + 1) tokens) simply decodes plainly;
 - per rule, across requests (`RuleRecord`): acceptance pooled over every request of a rule,
   starting from the policy's calibrated acceptance as a prior worth RULE_PRIOR_WEIGHT drafts.
   When a rule's expected speed at batch 1 falls below plain decoding after MIN_RULE_CYCLES
@@ -18,8 +17,8 @@ Design note. Three levels decide, all from the measured cost model and measured 
   prior) makes its drafting slower than plain decoding after MIN_CYCLES_BEFORE_AUTO_OFF cycles
   stops model drafting; its n-gram drafts go on when they pay. Alone in its group, its first
   cycles draft even when the prior puts them just short of paying (within LEARN_FLOOR): a prior
-  near the line would
-  otherwise decide for good from one warm-up reading, without the request's own evidence.
+  near the line would otherwise decide for good from one warm-up reading, without the
+  request's own evidence.
 """
 
 from __future__ import annotations
