@@ -26,7 +26,7 @@ from text_generation_server.models.draft_control import (
     SpeculateConfig,
 )
 from text_generation_server.models.draft_head import DraftHeads
-from text_generation_server.models.ngram import NgramIndex, Watch, lookup
+from text_generation_server.models.ngram import NgramIndex, Watch
 from text_generation_server.models.runner import FastLlamaRunner
 from text_generation_server.models.speculative import MIN_CYCLES_BEFORE_AUTO_OFF, SpecState
 from text_generation_server.sampling import (
@@ -49,6 +49,9 @@ def tiny_qwen2() -> torch.nn.Module:
 
 
 def test_ngram_lookup_copies_what_followed_the_latest_match() -> None:
+    def lookup(context: list[int], max_tokens: int) -> list[int]:
+        return NgramIndex().lookup(context, max_tokens)
+
     context = [1, 2, 3, 4, 5, 9, 9, 2, 3, 7, 8, 1, 2, 3]
     assert lookup(context, 2) == [4, 5]  # the trigram (1, 2, 3) comes first, though the bigram (2, 3) is later
     assert lookup([9, 2, 3, 7, 8, 5, 2, 3], 2) == [7, 8]  # no earlier (5, 2, 3): the bigram

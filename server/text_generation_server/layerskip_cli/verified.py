@@ -43,7 +43,7 @@ from text_generation_server.layerskip import (
 from text_generation_server.layerskip.detector import FEATURES
 from text_generation_server.models.cost_model import CostModel
 from text_generation_server.models.draft_head import DraftHeads
-from text_generation_server.models.ngram import NgramIndex
+from text_generation_server.models.ngram import NgramIndex, agreeing
 
 from .engine import Engine
 from .output import progress, spearman
@@ -118,9 +118,7 @@ def _score_ngrams(run: PromptRun, prompt_ids: list[int]) -> None:
     context, t, index = list(prompt_ids) + run.tokens[:1], 1, NgramIndex()
     while t < len(run.tokens):
         proposal = index.lookup(context, NGRAM_DRAFTS)
-        kept = 0
-        while kept < len(proposal) and t + kept < len(run.tokens) and proposal[kept] == run.tokens[t + kept]:
-            kept += 1
+        kept = agreeing(proposal, run.tokens[t:])
         if proposal:
             run.ngram_cycles += 1
             run.ngram_drafted += len(proposal)

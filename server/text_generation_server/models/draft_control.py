@@ -213,9 +213,11 @@ class DraftController:
         a 4-row x 2-token forward costs 1.6-1.8 steps: copies at the prior never pay there, and
         before watches each request drafted its first match anyway to learn its acceptance (code
         completion 0.93x off, chat 0.94x, with these probes' cycles mostly rejected)."""
+        if not self.ngram:
+            return plan
         for state, copies in zip(states, plan.ngram, strict=True):
             spec = state.spec
-            if spec is None or not self.ngram:
+            if spec is None:
                 continue
             if copies:
                 spec.watch = None

@@ -65,9 +65,12 @@ class NgramIndex:
         self.indexed = len(token_ids)
 
 
-def lookup(token_ids: list[int], max_tokens: int) -> list[int]:
-    """A one-off lookup (see NgramIndex.lookup); a request that looks up every step keeps an index."""
-    return NgramIndex().lookup(token_ids, max_tokens)
+def agreeing(proposed: list[int], generated: list[int]) -> int:
+    """How many proposed tokens the generated ones confirm, from the first on."""
+    kept = 0
+    while kept < min(len(proposed), len(generated)) and proposed[kept] == generated[kept]:
+        kept += 1
+    return kept
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,7 @@ class Watch:
         """(drafted, accepted) as a drafted cycle of these copies would have counted them, once the
         tokens generated since `start` decide it (a mismatch, or every copy matched); else None."""
         seen = token_ids[self.start:self.start + len(self.tokens)]
-        kept = 0
-        while kept < len(seen) and seen[kept] == self.tokens[kept]:
-            kept += 1
+        kept = agreeing(self.tokens, seen)
         if kept < len(seen) or kept == len(self.tokens):
             return len(self.tokens), kept
         return None
