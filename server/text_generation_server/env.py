@@ -89,12 +89,16 @@ class KernelEnv:
         quantized_head: TGI_QUANTIZED_LM_HEAD: how a bitsandbytes-quantized model's lm_head (which
             bitsandbytes keeps dense) is read on the kernels: "int8" (default: weight-only int8 in
             blocks, as llama.cpp's Q8_0/Q4_K_M files store their output matrix) or "dense".
+        draft_weights: TGI_DRAFT_WEIGHTS: what verified-mode drafts of a dense model read on the
+            kernels: "int8" (default: an int8 copy of the decoder layers, made at the first draft)
+            or "model" (the model's own weights).
     """
 
     switch: str
     folder: Path
     cxx: str
     quantized_head: str = "int8"
+    draft_weights: str = "int8"
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ) -> KernelEnv:
@@ -102,7 +106,10 @@ class KernelEnv:
         head = environ.get("TGI_QUANTIZED_LM_HEAD", "int8").lower()
         if head not in ("int8", "dense"):
             raise ValueError(f"TGI_QUANTIZED_LM_HEAD={head!r} is not one of int8, dense")
-        return cls(environ.get("TGI_CPU_KERNELS", "auto"), folder, environ.get("CXX", "c++"), head)
+        drafts = environ.get("TGI_DRAFT_WEIGHTS", "int8").lower()
+        if drafts not in ("int8", "model"):
+            raise ValueError(f"TGI_DRAFT_WEIGHTS={drafts!r} is not one of int8, model")
+        return cls(environ.get("TGI_CPU_KERNELS", "auto"), folder, environ.get("CXX", "c++"), head, drafts)
 
 
 @dataclass(frozen=True)

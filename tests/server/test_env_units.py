@@ -24,6 +24,9 @@ def test_kernel_and_policy_variables_and_their_defaults() -> None:
     assert KernelEnv.read({}) == KernelEnv("auto", Path.home() / ".cache" / "tgi-kernels", "c++")
     assert KernelEnv.read({"TGI_CPU_KERNELS": "avx2", "TGI_KERNEL_DIR": "/k", "CXX": "g++-13"}) == (
         KernelEnv("avx2", Path("/k"), "g++-13"))
+    assert KernelEnv.read({"TGI_DRAFT_WEIGHTS": "MODEL"}).draft_weights == "model"
+    with pytest.raises(ValueError, match="TGI_DRAFT_WEIGHTS='fp8' is not one of int8, model"):
+        KernelEnv.read({"TGI_DRAFT_WEIGHTS": "fp8"})
     assert ProcessEnv.read({}).policy_dir is None
     assert ProcessEnv.read({"TGI_POLICY_DIR": ""}).policy_dir is None
     assert ProcessEnv.read({"TGI_POLICY_DIR": "/p"}).policy_dir == Path("/p")

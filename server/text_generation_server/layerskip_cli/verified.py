@@ -96,7 +96,7 @@ def run_prompt(engine: Engine, prompt: Prompt, skip_sets: Sequence[frozenset[int
         position, mask = torch.tensor([[length]]), torch.ones((1, length + 1), dtype=torch.long)
         token = torch.tensor([[tokens[-1]]])
         for i, skip in enumerate(skip_sets):
-            draft = runner.forward(token, position, mask, cache, skip_layers=skip)[0, -1]
+            draft = runner.forward(token, position, mask, cache, skip_layers=skip, draft=True)[0, -1]
             per_set[i].append(draft.topk(TOP).indices)
             cache.crop(length)
         logits = runner.forward(token, position, mask, cache)[0, -1]

@@ -85,7 +85,10 @@ class CostModel:
 
     Attributes:
         tokens / forward_s: a full forward of one row of `tokens[i]` new tokens takes `forward_s[i]`.
-        layer_s: what bypassing one layer saves in a one-token forward.
+        layer_s: what bypassing one layer saves in a one-token draft forward.
+        draft_base_s: a one-token draft forward that bypasses nothing (on the runner's draft
+            weights, see FastRunnerConfig.draft_weights); 0 = a plain step (drafts read the
+            model's weights). Unmeasured drafts are priced from it, layer_s and head_s.
         head_s: the full lm_head's share of a one-token forward.
         vocab_size: rows of the full lm_head.
         drafts: measured draft forwards, (skip, head size) -> seconds at 1 and at 4 rows.
@@ -100,6 +103,7 @@ class CostModel:
     vocab_size: int = 1
     drafts: dict[DraftKey, tuple[float, float]] = field(default_factory=dict)
     batched: dict[int, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
+    draft_base_s: float = 0.0
 
     @staticmethod
     def flat(step_s: float, verify_s: tuple[float, ...], layer_s: float) -> CostModel:
@@ -132,11 +136,12 @@ class CostModel:
         if measured is not None:
             one, four = measured
             return max(one + (four - one) * (rows - 1) / 3, 1e-9)
+        base = self.draft_base_s or self.step_s
         saved = self.layer_s * len(skip)
         if 0 < vocab < self.vocab_size:
             saved += self.head_s * (1 - vocab / self.vocab_size)
-        fraction = max(1 - saved / self.step_s, 0.05)
-        return self.full_s(rows) * fraction
+        fraction = max(1 - saved / base, 0.05)
+        return self.full_s(rows) * base / self.step_s * fraction
 
     def fitted_drafts(self) -> CostModel:
         """This model with each measured draft replaced by a plane fitted over all of them (least
@@ -194,6 +199,7 @@ class CostModel:
                 "batched_ms": {str(rows): {str(t): s * 1000 for t, s in zip(*ladder, strict=True)}
                                for rows, ladder in self.batched.items()},
                 "layer_ms": self.layer_s * 1000, "head_ms": self.head_s * 1000,
+                "draft_base_ms": (self.draft_base_s or self.step_s) * 1000,
                 "drafts": [{"skip": sorted(skip), "vocab": vocab, "ms_1_row": one * 1000, "ms_4_rows": four * 1000,
                             "draft_over_step": one / self.step_s}
                            for (skip, vocab), (one, four) in self.drafts.items()]}
@@ -210,22 +216,24 @@ class CostModel:
         forward = [timer.add(1, t) for t in ladder]
         batched = {rows: [timer.add(rows, t) for t in BATCH_TOKENS] for rows in BATCH_ROWS}
         half = frozenset(range(1, runner.num_layers - 1, 2))
-        without_half = timer.add(1, 1, half)
+        draft_base = timer.add(1, 1, draft=True)
+        without_half = timer.add(1, 1, half, draft=True)
         lm_head = getattr(runner, "lm_head", None)
         tiny_head = timer.add(1, 1, head=lm_head[:64].contiguous()) if isinstance(lm_head, torch.Tensor) else None
         drafts: dict[DraftKey, tuple[int, int]] = {}
         for skip, vocab in dict.fromkeys(draft_configs):
             head = heads.get(vocab) if heads is not None else None
             weight = head.weight if head is not None else None
-            drafts[(skip, vocab)] = (timer.add(1, 1, skip, weight), timer.add(4, 1, skip, weight))
+            drafts[(skip, vocab)] = (timer.add(1, 1, skip, weight, True), timer.add(4, 1, skip, weight, True))
         seconds = timer.run()
-        step = seconds[forward[0]]  # the reference of the differences below, as measured
-        layer_s = max(step - seconds[without_half], 0.0) / max(len(half), 1)
+        step = seconds[forward[0]]  # the reference of the head's difference below, as measured
+        layer_s = max(seconds[draft_base] - seconds[without_half], 0.0) / max(len(half), 1)
         head_s = max(step - seconds[tiny_head], 0.0) if tiny_head is not None else 0.0
         vocab_size = int(lm_head.shape[0]) if isinstance(lm_head, torch.Tensor) else runner.vocab_size
         return cls(ladder, monotone(seconds[p] for p in forward), layer_s, head_s, vocab_size,
                    {key: (seconds[one], seconds[four]) for key, (one, four) in drafts.items()},
-                   {rows: (BATCH_TOKENS, monotone(seconds[p] for p in probes)) for rows, probes in batched.items()})
+                   {rows: (BATCH_TOKENS, monotone(seconds[p] for p in probes)) for rows, probes in batched.items()},
+                   seconds[draft_base])
 
 
 class _Timer:
@@ -242,20 +250,22 @@ class _Timer:
     def __init__(self, runner: Runner, repeats: int, context: int) -> None:
         self.runner, self.repeats, self.context = runner, repeats, context
         self.caches: dict[int, KVCache] = {}  # one prefilled context per row count (a prefill is costly)
-        self.probes: list[tuple[int, int, frozenset[int], torch.Tensor | None]] = []
+        self.probes: list[tuple[int, int, frozenset[int], torch.Tensor | None, bool]] = []
 
-    def add(self, rows: int, new: int, skip: frozenset[int] = frozenset(), head: torch.Tensor | None = None) -> int:
-        self.probes.append((rows, new, skip, head))
+    def add(self, rows: int, new: int, skip: frozenset[int] = frozenset(), head: torch.Tensor | None = None,
+            draft: bool = False) -> int:
+        """A probe; `draft`: a draft forward (Runner.forward's draft weights)."""
+        self.probes.append((rows, new, skip, head, draft))
         return len(self.probes) - 1
 
     def run(self) -> list[float]:
         ratios: list[list[float]] = [[] for _ in self.probes]
         steps: list[float] = []
         for round_ in range(self.repeats):
-            for probe, (rows, new, skip, head) in enumerate(self.probes):
+            for probe, (rows, new, skip, head, draft) in enumerate(self.probes):
                 if round_ == 0 or rows * new <= REPEATED_ROWS:
                     steps.append(self.time(1, 1, frozenset(), None))
-                    ratios[probe].append(self.time(rows, new, skip, head) / steps[-1])
+                    ratios[probe].append(self.time(rows, new, skip, head, draft) / steps[-1])
         step = statistics.median(steps)
         return [statistics.median(values) * step for values in ratios]
 
@@ -269,12 +279,12 @@ class _Timer:
             self.runner.forward(ids, torch.arange(context).repeat(rows, 1), mask, cache)
         return cache
 
-    def time(self, rows: int, new: int, skip: frozenset[int], head: torch.Tensor | None) -> float:
+    def time(self, rows: int, new: int, skip: frozenset[int], head: torch.Tensor | None, draft: bool = False) -> float:
         runner, context = self.runner, self.context
         cache = self._cache(rows)
         cache.crop(context)
         start = time.perf_counter()
         runner.forward(torch.zeros((rows, new), dtype=torch.long), torch.arange(context, context + new).repeat(rows, 1),
                        torch.ones((rows, context + new), dtype=torch.long), cache, last_only=False, skip_layers=skip,
-                       head=head)
+                       head=head, draft=draft)
         return time.perf_counter() - start

@@ -127,7 +127,7 @@ class VerifiedStep:
             positions = (mask.cumsum(1) - 1)[:, -1:]
             logits = self.runner.forward(ids, positions, mask, group.cache, skip_layers=cycle.skip,
                                          bypass_biases=self.biases,
-                                         head=head.weight if head is not None else None)[:, -1]
+                                         head=head.weight if head is not None else None, draft=True)[:, -1]
             with clock.stage(Stage.CHOOSE):
                 fed = []
                 for row, (s, p) in enumerate(zip(self.states, self.proposals, strict=True)):

@@ -38,6 +38,7 @@ class Runner(Protocol):
         skip_layers: frozenset[int] = frozenset(),
         bypass_biases: Mapping[int, torch.Tensor] | None = None,
         head: torch.Tensor | None = None,
+        draft: bool = False,
     ) -> torch.Tensor:
         """Run the new tokens, append their keys/values to `cache` and advance it.
 
@@ -49,6 +50,8 @@ class Runner(Protocol):
                 the layer's mean residual update) instead of passing the hidden state through.
             head: `[n, hidden]` rows of the lm_head to compute instead of the whole head (a
                 verified-mode draft's reduced vocabulary); the logits then have n columns.
+            draft: a verified-mode draft forward: a runner that keeps cheaper draft weights (the
+                fast runner's int8 copy of a dense model's layers) runs the layers on them.
         Returns:
             float32 logits.
         """

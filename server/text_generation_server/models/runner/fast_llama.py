@@ -66,6 +66,11 @@ class FastRunnerConfig:
             every logit (measured in README-runner.md). None (default): on for bitsandbytes
             models (whose lm_head bitsandbytes keeps dense: 52-73% of a quantized step's bytes)
             unless TGI_QUANTIZED_LM_HEAD=dense, off for dense models (their logits stay the model's).
+        draft_weights: what verified-mode draft forwards (`forward(draft=True)`) of a dense
+            Llama-family model read on the kernels: "int8" (an int8 copy of each decoder layer's
+            projections in LLM.int8()'s format, made at the first draft, see `int8_drafts`) or
+            "model"; None takes TGI_DRAFT_WEIGHTS (default int8). Verification always reads the
+            model's own weights, so the tokens do not change, only how many drafts are accepted.
     """
 
     dtype: torch.dtype | None = None
@@ -73,10 +78,13 @@ class FastRunnerConfig:
     kernels: bool = True
     kernel_switch: str | None = None
     int8_head: bool | None = None
+    draft_weights: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"fast runner dtype {self.dtype} is not supported; use float32 or bfloat16")
+        if self.draft_weights not in (None, "int8", "model"):
+            raise ValueError(f"draft_weights {self.draft_weights!r} is not one of int8, model")
 
 
 @dataclass(frozen=True)
@@ -227,6 +235,7 @@ class FastLlamaRunner:
         self.num_layers = self.spec.num_layers
         self.vocab_size = self.spec.vocab_size
         self.layers: list[LayerWeights] = [read_layer(layer, self.spec, self.dtype) for layer in model.model.layers]
+        dense_layers = self.layers
         # The kernels take float32 and bfloat16 (dense or bitsandbytes); decided here once, not per op.
         use_kernels = config.kernels and not config.compile and self.dtype in cpu_kernels.DTYPES
         kind = weight_kind(self.layers[0], self.dtype)
@@ -245,6 +254,12 @@ class FastLlamaRunner:
         # norms and GELU stay in Python (on the same kernels).
         self._fused_layers = ([FusedLayer.of(lw) for lw in self.layers]
                               if ops is not None and self.spec.family == "llama" else None)
+        drafts = config.draft_weights or process_env().kernels.draft_weights
+        int8_drafts = (drafts == "int8" and self._fused_layers is not None and kind in ("float32", "bfloat16")
+                       and all(f is not None for f in self._fused_layers))
+        self.draft_weights = "int8" if int8_drafts else "model"
+        self._dense_layers = dense_layers if int8_drafts else None  # quantized at the first draft
+        self._draft_layers: tuple[cpu_kernels.CpuOps, list[FusedLayer]] | None = None
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
         self.lm_head = model.lm_head.weight.detach().to(self.dtype)  # tied: the same tensor as embed
         quantized = kind in ("4bit", "int8") and process_env().kernels.quantized_head == "int8"
@@ -287,6 +302,7 @@ class FastLlamaRunner:
         skip_layers: frozenset[int] = frozenset(),
         bypass_biases: Mapping[int, torch.Tensor] | None = None,
         head: torch.Tensor | None = None,
+        draft: bool = False,
     ) -> torch.Tensor:
         rows, new = input_ids.shape
         expected = (rows, cache.length + new)
@@ -304,23 +320,27 @@ class FastLlamaRunner:
                     h = h + bypass_biases[i].to(h.dtype)
                 continue
             cos, sin = ropes[self.spec.rope_keys[i]]
-            h = self._layer(i, layer, h, cos, sin, masks[self.spec.sliding_windows[i]], cache)
+            h = self._layer(i, layer, h, cos, sin, masks[self.spec.sliding_windows[i]], cache, draft)
         cache.advance(new)
         if last_only:
             h = h[:, -1:]
         return self._logits(h, head)
 
     def _layer(self, index: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
+               mask: torch.Tensor, cache: KVCache, draft: bool = False) -> torch.Tensor:
         rows, new, _ = h.shape
         dims = self.dims
         few = rows * new <= cpu_kernels.MAX_ROWS  # decode steps, draft verification, short prefills
         fused = self._fused_layers[index] if self._fused_layers is not None and few else None
-        if fused is not None and dims.ops is not None:
+        ops = dims.ops
+        if fused is not None and draft and self._dense_layers is not None:
+            ops, draft_layers = self._int8_drafts()
+            fused = draft_layers[index]
+        if fused is not None and ops is not None:
             k_cache, v_cache = cache.buffers(index, (rows, dims.num_kv_heads, dims.head_dim), self.dtype,
                                              cache.length + new)
-            return dims.ops.decode_layer(h, *fused, k_cache, v_cache, cache.length, cos, sin, mask, dims.num_heads,
-                                         dims.num_kv_heads, dims.eps, self.spec.attention_scale)
+            return ops.decode_layer(h, *fused, k_cache, v_cache, cache.length, cos, sin, mask, dims.num_heads,
+                                    dims.num_kv_heads, dims.eps, self.spec.attention_scale)
         q, k, v = self._pre(h, cos, sin, *layer.pre, dims)  # [rows, new, heads, head_dim]
         keys, values = cache.append(index, k.transpose(1, 2), v.transpose(1, 2))  # [rows, kv, total, dim]
         if few and dims.ops is not None:
@@ -330,6 +350,24 @@ class FastLlamaRunner:
                                                   scale=self.spec.attention_scale, enable_gqa=True)
             attn = attn.transpose(1, 2).reshape(rows, new, -1)  # [rows, new, heads * head_dim]
         return self._post(h, attn, *layer.post, dims)
+
+    def _int8_drafts(self) -> tuple[cpu_kernels.CpuOps, list[FusedLayer]]:
+        """The draft layers: each projection of the dense layers as LLM.int8() codes (per-row absmax
+        scales, DRAFT_INT8_THRESHOLD outliers), on the kernels' int8 variant; made once."""
+        if self._draft_layers is None:
+            assert self._dense_layers is not None
+            start = time.perf_counter()
+            ops = cpu_kernels.load(self.config.kernel_switch, "int8")
+            assert ops is not None, "the int8 kernels load wherever the dense ones did"
+            layers = [FusedLayer(_dense(lw.pre[0]), int8_projection(ops, lw.pre[1], lw.pre[2]),
+                                 int8_projection(ops, lw.post[0], lw.post[1]), _dense(lw.post[3]),
+                                 int8_projection(ops, lw.post[4], lw.post[5]),
+                                 int8_projection(ops, lw.post[6], lw.post[7])) for lw in self._dense_layers]
+            self._draft_layers = (ops, layers)
+            logger.info(f"{self.name}: verified-mode drafts read an int8 copy of the decoder layers "
+                        f"({sum(_int8_bytes(f) for f in layers) / 2**20:.0f} MiB, {ops.variant} kernels, made in "
+                        f"{time.perf_counter() - start:.1f} s; TGI_DRAFT_WEIGHTS=model drafts on the model's weights)")
+        return self._draft_layers
 
     def _logits(self, h: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
         h = rms_norm(h.contiguous(), self.final_norm, self.dims)
@@ -367,6 +405,23 @@ def int8_head(ops: cpu_kernels.CpuOps, weight: torch.Tensor) -> cpu_kernels.Proj
     scales = (blocks.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-30)  # [vocab, blocks, 1]
     codes = torch.round(blocks / scales).to(torch.int8).view(vocab, hidden)
     return ops.Projection.int8_weights(codes, scales.reshape(-1).contiguous(), INT8_HEAD_BLOCK, None)
+
+
+DRAFT_INT8_THRESHOLD = 6.0  # bitsandbytes' default llm_int8_threshold
+
+
+def int8_projection(ops: cpu_kernels.CpuOps, weight: Any, bias: torch.Tensor | None) -> cpu_kernels.Projection:
+    """A dense `[n, k]` weight as LLM.int8() codes: per row, round(w * 127 / absmax) and absmax
+    (what bitsandbytes' Linear8bitLt stores as CB and SCB)."""
+    assert isinstance(weight, torch.Tensor), f"int8 drafts quantize dense weights, got {type(weight).__name__}"
+    w = weight.float()
+    absmax = w.abs().amax(dim=1).clamp(min=1e-30)
+    codes = torch.round(w * (127.0 / absmax[:, None])).to(torch.int8)
+    return ops.Projection.int8(codes, absmax.contiguous(), bias, DRAFT_INT8_THRESHOLD)
+
+
+def _int8_bytes(layer: FusedLayer) -> int:
+    return sum(p.n * p.k for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
 
 
 def _model_dtype(model: Any) -> torch.dtype:

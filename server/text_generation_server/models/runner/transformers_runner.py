@@ -45,6 +45,7 @@ class TransformersRunner:
         skip_layers: frozenset[int] = frozenset(),
         bypass_biases: Mapping[int, torch.Tensor] | None = None,
         head: torch.Tensor | None = None,
+        draft: bool = False,  # no draft weights here: a draft runs the model's own
     ) -> torch.Tensor:
         if head is not None:
             raise ValueError("the transformers fallback runner has no reduced draft head; use the fast runner")
