@@ -410,7 +410,7 @@ def int8_head(ops: cpu_kernels.CpuOps, weight: torch.Tensor) -> cpu_kernels.Proj
 DRAFT_INT8_THRESHOLD = 6.0  # bitsandbytes' default llm_int8_threshold
 
 
-def int8_projection(ops: cpu_kernels.CpuOps, weight: Any, bias: torch.Tensor | None) -> cpu_kernels.Projection:
+def int8_projection(ops: cpu_kernels.CpuOps, weight: Any, bias: Any) -> cpu_kernels.Projection:
     """A dense `[n, k]` weight as LLM.int8() codes: per row, round(w * 127 / absmax) and absmax
     (what bitsandbytes' Linear8bitLt stores as CB and SCB)."""
     assert isinstance(weight, torch.Tensor), f"int8 drafts quantize dense weights, got {type(weight).__name__}"
