@@ -56,7 +56,7 @@ BF16_DECODE_TOLERANCE = 2.0
 BF16_NEAR_TIE = 0.5
 NF4_TOLERANCE = 1e-3
 INT8_HEAD_TOLERANCE = 1.0
-INT8_DRAFT_TOLERANCE = 3.0
+INT8_DRAFT_TOLERANCE = 4.0
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "List three colors:"]
 
@@ -243,15 +243,19 @@ def test_int8_head_within_tolerance(model: PreTrainedModel, prompts: list[list[i
     assert agree >= 0.95, f"int8-head greedy agreement with fp32 {agree:.2f}"
 
 
-def _drafts_and_steps(runner: FastLlamaRunner, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per position of `prompt` (the first prefilled), a draft forward (Runner.forward's draft=True,
-    cropped away) and the full forward after it: `[positions, vocab]` each, as verified mode
-    drafts and verifies token by token."""
+def _drafts_and_steps(runner: FastLlamaRunner, prompt: list[int], new_tokens: int = 24) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """Per position of `prompt` (the first prefilled) and of `new_tokens` greedy tokens after it,
+    a draft forward (Runner.forward's draft=True, cropped away) and the full forward after it:
+    `[positions, vocab]` each, as verified mode drafts and verifies token by token."""
     cache = runner.new_cache(1)
     runner.forward(torch.tensor([prompt[:1]]), torch.tensor([[0]]), torch.ones((1, 1), dtype=torch.long), cache)
-    drafts, steps = [], []
-    for position, token in enumerate(prompt[1:], start=1):
-        args = (torch.tensor([[token]]), torch.tensor([[position]]), torch.ones((1, position + 1), dtype=torch.long))
+    tokens, drafts, steps = list(prompt), [], []
+    for position in range(1, len(prompt) + new_tokens):
+        if position == len(tokens):
+            tokens.append(int(steps[-1].argmax()))
+        args = (torch.tensor([[tokens[position]]]), torch.tensor([[position]]),
+                torch.ones((1, position + 1), dtype=torch.long))
         drafts.append(runner.forward(*args, cache, draft=True)[0, -1])
         cache.crop(position)
         steps.append(runner.forward(*args, cache)[0, -1])
@@ -260,10 +264,12 @@ def _drafts_and_steps(runner: FastLlamaRunner, prompt: list[int]) -> tuple[torch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_drafts_within_tolerance(model: PreTrainedModel, prompts: list[list[int]], dtype: torch.dtype) -> None:
-    """Verified-mode drafts of a dense model read an int8 copy of its layers (the default,
-    FastRunnerConfig.draft_weights): their logits stay near the model's (measured on the 4 prompts:
-    fp32 max abs MAX, greedy agreement AGREE; bf16 ...), the full forwards that follow them are the
-    model's own, and draft_weights="model" drafts are the plain forward itself."""
+    """Verified-mode drafts of a dense model read an int8 copy of its layers and lm_head (the
+    default, FastRunnerConfig.draft_weights): their logits stay near the model's: on the 4 prompts
+    and 24 greedy tokens each (126 positions), max abs 2.17 (fp32) and 2.66 (bf16) on logits up to
+    ~30, greedy agreement 0.95 and 0.94 (the 135M model is the least forgiving: on the 0.5B, int8
+    drafts with 4 layers skipped keep ~0.9 of greedy choices). The full forwards that follow them
+    are the model's own, and draft_weights="model" drafts are the plain forward itself."""
     if cpu_kernels.unavailable_reason() is not None:
         pytest.skip(f"int8 drafts run on the CPU kernels: {cpu_kernels.unavailable_reason()}")
     served = FastLlamaRunner(model, FastRunnerConfig(dtype=dtype))
@@ -278,7 +284,7 @@ def test_int8_drafts_within_tolerance(model: PreTrainedModel, prompts: list[list
         diffs.append((drafts - steps).abs().max())
         agree.append((drafts.argmax(-1) == steps.argmax(-1)).float().mean())
     assert max(diffs) <= INT8_DRAFT_TOLERANCE, f"int8 draft logits differ from the model's by {max(diffs)}"
-    assert sum(agree) / len(agree) >= 0.8, f"int8 draft greedy agreement {sum(agree) / len(agree):.2f}"
+    assert sum(agree) / len(agree) >= 0.85, f"int8 draft greedy agreement {sum(agree) / len(agree):.2f}"
 
 
 def _dequantized_reference(model: PreTrainedModel, quantized: PreTrainedModel) -> PreTrainedModel:

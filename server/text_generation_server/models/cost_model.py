@@ -9,7 +9,8 @@ Design note. Whether drafting pays is arithmetic on three measured costs:
   by measuring, not coded. Rows are measured apart because 4 rows x 2 tokens is not 1 row x 8
   (four KV caches, padding, rows x t beyond the kernels' 16 going to torch's GEMM): priced as
   one row of 8 tokens, batch-4 drafting looked cheap and lost to plain decoding;
-- a draft forward of a configuration (skipped layers + head size) at 1 and at 4 rows, measured
+- a draft forward of a configuration (skipped layers + head size, on the runner's draft weights:
+  an int8 copy of a dense model's, FastRunnerConfig.draft_weights) at 1 and at 4 rows, measured
   for every configuration the policy's rules name, and estimated for others from the measured
   per-layer and lm_head costs (a calibration, which measures dozens, fits them to a plane in
   layers bypassed and head rows: `fitted_drafts`);

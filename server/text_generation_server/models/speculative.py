@@ -20,7 +20,8 @@ sampling/speculative.py); 2, 3 and the forwards of 1 run in group_step.py; 5 is
 
 Drafts come from two drafters in the same loop (draft_control.py decides per cycle): n-gram
 (prompt-lookup) drafts copied from the context, free to make (ngram.py), and layer-skip drafts
-from the draft model (skipped layers + an optional reduced head, draft_head.py). Adaptivity
+from the draft model (skipped layers + an optional reduced head, draft_head.py, read as int8 on
+a dense model: FastRunnerConfig.draft_weights). Adaptivity
 (draft length, per-rule switch-off, per-request auto-off) is arithmetic on the measured cost
 model (cost_model.py) and the measured acceptance.
 

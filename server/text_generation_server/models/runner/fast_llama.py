@@ -68,8 +68,8 @@ class FastRunnerConfig:
             unless TGI_QUANTIZED_LM_HEAD=dense, off for dense models (their logits stay the model's).
         draft_weights: what verified-mode draft forwards (`forward(draft=True)`) of a dense
             Llama-family model read on the kernels: "int8" (an int8 copy of each decoder layer's
-            projections in LLM.int8()'s format, made at the first draft, see `int8_drafts`) or
-            "model"; None takes TGI_DRAFT_WEIGHTS (default int8). Verification always reads the
+            projections and of the draft's head in LLM.int8()'s format, made at its first draft,
+            `_int8_drafts`, `_int8_head`) or "model"; None takes TGI_DRAFT_WEIGHTS (default int8). Verification always reads the
             model's own weights, so the tokens do not change, only how many drafts are accepted.
     """
 
@@ -260,6 +260,7 @@ class FastLlamaRunner:
         self.draft_weights = "int8" if int8_drafts else "model"
         self._dense_layers = dense_layers if int8_drafts else None  # quantized at the first draft
         self._draft_layers: tuple[cpu_kernels.CpuOps, list[FusedLayer]] | None = None
+        self._draft_heads: dict[tuple[int, int], tuple[torch.Tensor, cpu_kernels.Projection]] = {}
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
         self.lm_head = model.lm_head.weight.detach().to(self.dtype)  # tied: the same tensor as embed
         quantized = kind in ("4bit", "int8") and process_env().kernels.quantized_head == "int8"
@@ -324,7 +325,7 @@ class FastLlamaRunner:
         cache.advance(new)
         if last_only:
             h = h[:, -1:]
-        return self._logits(h, head)
+        return self._logits(h, head, draft)
 
     def _layer(self, index: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor, cache: KVCache, draft: bool = False) -> torch.Tensor:
@@ -369,11 +370,23 @@ class FastLlamaRunner:
                         f"{time.perf_counter() - start:.1f} s; TGI_DRAFT_WEIGHTS=model drafts on the model's weights)")
         return self._draft_layers
 
-    def _logits(self, h: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
+    def _int8_head(self, head: torch.Tensor) -> cpu_kernels.Projection:
+        """A draft head (the lm_head or a reduced head's rows) as LLM.int8() codes, made at its
+        first draft and kept with the tensor it was made from (so its address is not reused)."""
+        key = (head.data_ptr(), int(head.shape[0]))
+        made = self._draft_heads.get(key)
+        if made is None:
+            ops, _ = self._int8_drafts()
+            made = self._draft_heads[key] = (head, int8_projection(ops, head, None))
+        return made[1]
+
+    def _logits(self, h: torch.Tensor, head: torch.Tensor | None = None, draft: bool = False) -> torch.Tensor:
         h = rms_norm(h.contiguous(), self.final_norm, self.dims)
         # A verified-mode draft may pass a reduced head (rows of lm_head, see draft_head.py).
         full = self.head_projection if self.head_projection is not None else self.lm_head
-        weights = head if head is not None else full
+        weights: Any = head if head is not None else full
+        if draft and self._dense_layers is not None and h.shape[0] * h.shape[1] <= cpu_kernels.MAX_ROWS:
+            weights = self._int8_head(head if head is not None else self.lm_head)
         logits = linear(h, weights, None, self.dims)  # [rows, positions, vocab]
         if self.spec.final_logit_softcap is not None:
             cap = self.spec.final_logit_softcap
