@@ -5,6 +5,7 @@ bad draft settings. Claims about real output live in test_verified_qwen.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,11 @@ def test_cost_model_interpolates_and_prefers_cheap_verification() -> None:
     measured = CostModel((1, 2), (1.0, 1.0), 0.0, drafts={(frozenset({1}), 0): (0.4, 0.7)})
     assert measured.draft_s(1, frozenset({1}), 0) == 0.4 and measured.draft_s(4, frozenset({1}), 0) == 0.7
     assert tokens_per_cycle(0.5, 2) == pytest.approx(1.75)
+    # Drafts on cheaper weights (int8): an unmeasured draft is priced from the draft that bypasses
+    # nothing, less what its layers and head rows save; at 4 rows in the same proportion.
+    int8 = replace(cheap, draft_base_s=0.5)
+    assert int8.draft_s(1, frozenset(range(10)), 100) == pytest.approx(0.5 - 0.3 - 0.2 * 0.9)
+    assert int8.draft_s(4, frozenset(range(10)), 100) == pytest.approx(cheap.full_s(4) * (0.5 - 0.48))
 
 
 def test_a_measured_ladder_is_kept_as_its_monotone_fit() -> None:
