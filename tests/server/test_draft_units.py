@@ -132,9 +132,9 @@ def test_cost_model_interpolates_and_prefers_cheap_verification() -> None:
     assert tokens_per_cycle(0.5, 2) == pytest.approx(1.75)
     # Drafts on cheaper weights (int8): an unmeasured draft is priced from the draft that bypasses
     # nothing, less what its layers and head rows save; at 4 rows in the same proportion.
-    int8 = replace(cheap, draft_base_s=0.5)
-    assert int8.draft_s(1, frozenset(range(10)), 100) == pytest.approx(0.5 - 0.3 - 0.2 * 0.9)
-    assert int8.draft_s(4, frozenset(range(10)), 100) == pytest.approx(cheap.full_s(4) * (0.5 - 0.48))
+    int8 = replace(cheap, draft_base_s=0.8)
+    assert int8.draft_s(1, frozenset(range(10)), 100) == pytest.approx(0.8 - 0.3 - 0.2 * 0.9)
+    assert int8.draft_s(4, frozenset(range(10)), 100) == pytest.approx(cheap.full_s(4) * (0.8 - 0.48))
 
 
 def test_a_measured_ladder_is_kept_as_its_monotone_fit() -> None:

@@ -51,7 +51,7 @@ class Runner(Protocol):
             head: `[n, hidden]` rows of the lm_head to compute instead of the whole head (a
                 verified-mode draft's reduced vocabulary); the logits then have n columns.
             draft: a verified-mode draft forward: a runner that keeps cheaper draft weights (the
-                fast runner's int8 copy of a dense model's layers) runs the layers on them.
+                fast runner's int8 copy of a dense model's layers and draft head) runs on them.
         Returns:
             float32 logits.
         """

@@ -379,6 +379,8 @@ class FastLlamaRunner:
         if made is None:
             ops, _ = self._int8_drafts()
             made = self._draft_heads[key] = (head, int8_projection(ops, head, None))
+            logger.info(f"{self.name}: a draft head of {key[1]} rows is read as int8 "
+                        f"({key[1] * head.shape[1] / 2**20:.0f} MiB)")
         return made[1]
 
     def _logits(self, h: torch.Tensor, head: torch.Tensor | None = None, draft: bool = False) -> torch.Tensor:
