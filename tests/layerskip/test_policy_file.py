@@ -31,7 +31,7 @@ def _policy(identity: IdentityMap, skip: frozenset[int] = frozenset({1, 2}), **k
     n = identity.num_layers
     table = RuleTable((Rule("calm", (Condition("max_score", "<", 10.0),), skip),), Rule("default"), n,
                       allow_protected=bool(kwargs.pop("allow_protected", False)))
-    return Policy.from_table(identity, table, calibration=CALIBRATION, **kwargs)
+    return Policy.from_table(identity, table, **{"calibration": CALIBRATION, **kwargs})
 
 
 @pytest.fixture()
@@ -171,3 +171,25 @@ def test_float32_policy_applies_to_the_same_layers_of_nf4_and_int8(
         shuffled = IdentityMap(loaded.architecture, loaded.layers_path, reversed_layers, loaded.fingerprint)
         last = loaded.num_layers - 1
         assert load_policy(path, shuffled).table.rules[0].skip == frozenset(last - i for i in skip), name
+
+
+def test_auto_prefers_the_policy_calibrated_in_the_served_dtype(tmp_path: Path) -> None:
+    from text_generation_server.models.shipped_policies import find_shipped_policy
+
+    model = tiny_model("llama", num_layers=4)
+    identity = IdentityMap.from_model(model)
+    other = IdentityMap.from_model(tiny_model("llama", seed=1, num_layers=4))
+    save_policy(_policy(other, calibration=replace(CALIBRATION, dtype="float32")), tmp_path / "a-other.json")
+    bf16 = save_policy(_policy(identity, calibration=replace(CALIBRATION, dtype="bfloat16")), tmp_path / "b.json")
+    fp32 = save_policy(_policy(identity, calibration=replace(CALIBRATION, dtype="float32")), tmp_path / "c.json")
+    assert json.loads(fp32.read_text())["calibration"]["dtype"] == "float32"
+    assert load_policy(bf16, identity).calibration == replace(CALIBRATION, dtype="bfloat16")
+    assert find_shipped_policy(model, tmp_path) == fp32  # another model's float32 policy is passed over
+    assert find_shipped_policy(model.to(torch.bfloat16), tmp_path) == bf16
+    fp32.unlink()
+    assert find_shipped_policy(model.float(), tmp_path) == bf16  # none for float32: the one that aligns
+    bf16.unlink()
+    assert find_shipped_policy(model, tmp_path) is None
+    # A policy without a recorded dtype (made before dtypes were recorded) still loads, without the key.
+    old = save_policy(_policy(identity), tmp_path / "d.json")
+    assert "dtype" not in json.loads(old.read_text())["calibration"] and find_shipped_policy(model, tmp_path) == old

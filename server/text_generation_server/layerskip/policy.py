@@ -15,7 +15,8 @@ File layout (schema_version 1):
                 "draft": {"vocab": 16384, "acceptance": 0.82}}],      (draft: optional, verified)
      "default": {"name": "default", "skip": []},
      "calibration": {"dataset": ..., "dataset_sha256": ..., "consistency": 0.93,
-                     "skip_rate": 0.2, "date": "2026-11-29"} | null,
+                     "skip_rate": 0.2, "date": "2026-11-29", "dtype": "float32"} | null,
+                                                                     (dtype: optional)
      "objective": "lossy" | "verified",                               (optional, default lossy)
      "draft_vocab": {"source": ..., "token_ids": [ranked ids]} | null}  (optional, see draft.py)
 The optional safetensors sidecar holds graceful-bypass biases: tensor "layer.<index>" is the
@@ -81,6 +82,9 @@ class Calibration:
         consistency: fraction of calibration prompts whose output matched `off` (0..1).
         skip_rate: mean fraction of layers skipped on that data set (0..1).
         date: ISO date of the calibration run.
+        dtype: the compute dtype it was calibrated in ("float32", "bfloat16", ...; None when not
+            recorded): a verified policy's choice follows that dtype's cost model, and
+            `--layer-skip-policy auto` prefers a policy made for the served dtype.
     """
 
     dataset: str
@@ -88,6 +92,7 @@ class Calibration:
     consistency: float
     skip_rate: float
     date: str
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("consistency", "skip_rate"):
@@ -150,7 +155,8 @@ class Policy:
         return Policy(identity, rules, default, allow_protected=table.allow_protected, **kwargs)
 
     def to_json(self) -> dict[str, Any]:
-        calibration = None if self.calibration is None else dict(vars(self.calibration))
+        calibration = None if self.calibration is None else {k: v for k, v in vars(self.calibration).items()
+                                                             if v is not None}
         return {"schema_version": self.schema_version, "model": self.identity.to_json(),
                 "detector": self.detector.to_json(), "allow_protected": self.allow_protected,
                 "bypass": self.bypass, "sidecar": self.sidecar,

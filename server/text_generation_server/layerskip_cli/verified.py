@@ -230,7 +230,7 @@ def build_policy(engine: Engine, table: RuleTable, vocab: DraftVocab, dataset: s
     needed = max([r.draft.vocab for r in (*table.rules, table.default)] + [1])
     kept = DraftVocab(vocab.token_ids[:needed], vocab.source)
     calibration = Calibration(dataset=dataset, dataset_sha256=sha256, consistency=1.0, skip_rate=skip_rate,
-                              date=datetime.date.today().isoformat())
+                              date=datetime.date.today().isoformat(), dtype=engine.spec.dtype)
     return Policy.from_table(engine.identity, table, calibration=calibration, detector=DetectorConfig(),
                              objective=LayerSkipMode.VERIFIED, draft_vocab=kept)
 

@@ -3,8 +3,11 @@
 The repository's `policies/` folder holds one calibrated policy per model that works offline
 (with its evidence files beside it). `auto` reads each policy file there, skips those made for
 another architecture or layer count at once, and aligns the rest to the loaded model's identity
-map (fingerprints, as any policy is aligned); the first that aligns is used. When none does, the
-shard says so and serves with layer skipping off. TGI_POLICY_DIR points elsewhere (an image
+map (fingerprints, as any policy is aligned). Of those that align, the one calibrated in the served
+dtype (its `calibration.dtype`) is used, else the first: a verified policy's skip set and draft
+head follow the cost model of the dtype it was made in (a bfloat16 step reads half a float32 one's
+bytes, so its drafts pay differently). When none aligns, the shard says so and serves with layer
+skipping off. TGI_POLICY_DIR points elsewhere (an image
 that copies the policies to another place).
 """
 
@@ -34,9 +37,12 @@ def candidates(folder: Path) -> list[Path]:
 
 
 def find_shipped_policy(model: nn.Module, folder: Path | None = None) -> Path | None:
-    """The first policy in `folder` (default: policy_dir()) that aligns to `model`, or None."""
+    """The policy in `folder` (default: policy_dir()) that aligns to `model`, calibrated in its
+    dtype where one is, or None."""
     folder = folder or policy_dir()
+    served = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
     identities: dict[str, IdentityMap] = {}
+    fits: list[Path] = []
     for path in candidates(folder):
         try:
             policy = read_policy(path)
@@ -54,5 +60,7 @@ def find_shipped_policy(model: nn.Module, folder: Path | None = None) -> Path | 
         except ValueError as err:
             logger.debug(f"--layer-skip-policy auto: {path} does not fit: {err}")
             continue
-        return path
-    return None
+        if policy.calibration is not None and policy.calibration.dtype == served:
+            return path
+        fits.append(path)
+    return fits[0] if fits else None
