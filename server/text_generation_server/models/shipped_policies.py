@@ -7,8 +7,7 @@ map (fingerprints, as any policy is aligned). Of those that align, the one calib
 dtype (its `calibration.dtype`) is used, else the first: a verified policy's skip set and draft
 head follow the cost model of the dtype it was made in (a bfloat16 step reads half a float32 one's
 bytes, so its drafts pay differently). When none aligns, the shard says so and serves with layer
-skipping off. TGI_POLICY_DIR points elsewhere (an image
-that copies the policies to another place).
+skipping off. TGI_POLICY_DIR points elsewhere (an image that copies the policies to another place).
 """
 
 from __future__ import annotations

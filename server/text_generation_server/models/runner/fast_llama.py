@@ -69,7 +69,8 @@ class FastRunnerConfig:
         draft_weights: what verified-mode draft forwards (`forward(draft=True)`) of a dense
             Llama-family model read on the kernels: "int8" (an int8 copy of each decoder layer's
             projections in LLM.int8()'s format and of the draft's head as int8_head's blocks, made
-            at its first draft, `_int8_drafts`, `_int8_head`) or "model"; None takes TGI_DRAFT_WEIGHTS (default int8).
+            at its first draft, `_int8_drafts`, `_int8_head`) or "model"; None takes
+            TGI_DRAFT_WEIGHTS (default int8).
             Verification always reads the model's own weights, so the tokens do not change, only
             how many drafts are accepted.
     """
