@@ -13,6 +13,7 @@ skipping off. TGI_POLICY_DIR points elsewhere (an image that copies the policies
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 from loguru import logger
 from torch import nn
@@ -39,7 +40,7 @@ def find_shipped_policy(model: nn.Module, folder: Path | None = None) -> Path | 
     """The policy in `folder` (default: policy_dir()) that aligns to `model`, calibrated in its
     dtype where one is, or None."""
     folder = folder or policy_dir()
-    served = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
+    served = str(cast(Any, model).get_input_embeddings().weight.dtype).removeprefix("torch.")
     identities: dict[str, IdentityMap] = {}
     fits: list[Path] = []
     for path in candidates(folder):
