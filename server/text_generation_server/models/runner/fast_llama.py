@@ -392,8 +392,10 @@ class FastLlamaRunner:
         # A verified-mode draft may pass a reduced head (rows of lm_head, see draft_head.py).
         full = self.head_projection if self.head_projection is not None else self.lm_head
         weights: Any = head if head is not None else full
-        if draft and self._dense_layers is not None and h.shape[0] * h.shape[1] <= cpu_kernels.MAX_ROWS:
-            weights = self._int8_head(head if head is not None else self.lm_head)
+        # A draft reads a dense head as int8; an lm_head the runner already reads as int8 is reused.
+        if (draft and self._dense_layers is not None and h.shape[0] * h.shape[1] <= cpu_kernels.MAX_ROWS
+                and isinstance(weights, torch.Tensor)):
+            weights = self._int8_head(weights)
         logits = linear(h, weights, None, self.dims)  # [rows, positions, vocab]
         if self.spec.final_logit_softcap is not None:
             cap = self.spec.final_logit_softcap
