@@ -4,10 +4,11 @@ token for token, alone and in a batch that mixes off, shadow, verified and --spe
 
 Drafting is forced on (`auto_off = False`), so every step of a verified request is a real cycle
 whatever the cost model says on this CPU. Bounded for `make test`: one prompt per class (HumanEval
-completion, code editing, chat, summarisation), 24 new tokens. The full check, 16 prompts per
-class (64 prompts), 64 tokens, on either Qwen model:
-    TGI_VERIFIED_PER_CLASS=16 TGI_VERIFIED_TOKENS=64 [TGI_VERIFIED_MODEL=Qwen/Qwen2.5-Coder-1.5B-Instruct] \
-        .venv/bin/pytest -q tests/server/test_verified_qwen.py
+completion, code editing, chat, summarisation), 24 new tokens, the 4 prompts in one mixed batch.
+The full check, 16 prompts per class (64 prompts), 64 tokens, mixed batches of 8 (a batch of
+all 64 runs past half an hour on 2 cores), on either Qwen model:
+    TGI_VERIFIED_PER_CLASS=16 TGI_VERIFIED_TOKENS=64 TGI_VERIFIED_BATCH=8 \
+        [TGI_VERIFIED_MODEL=Qwen/Qwen2.5-Coder-1.5B-Instruct] .venv/bin/pytest -q tests/server/test_verified_qwen.py
 The model is converted from its PyPI chunk packages in this test's own set-up (about 3.5 min on
 a fresh machine, once).
 """
@@ -46,6 +47,7 @@ def run(lm: CausalLM, requests: list[generate_pb2.Request]) -> tuple[dict[int, l
 MODEL_ID = os.environ.get("TGI_VERIFIED_MODEL", "Qwen/Qwen2.5-Coder-0.5B-Instruct")
 PER_CLASS = int(os.environ.get("TGI_VERIFIED_PER_CLASS", "1"))
 NEW_TOKENS = int(os.environ.get("TGI_VERIFIED_TOKENS", "24"))
+BATCH = int(os.environ.get("TGI_VERIFIED_BATCH", "0"))  # rows per mixed batch (0: every prompt in one)
 
 
 class Qwen:
@@ -70,23 +72,25 @@ class Qwen:
         self.verified.auto_off = False
         self.speculating = lm("off", None, 4)
         self.speculating.auto_off = False
-        self.prompts = self._prompts(tokenizer)
+        self.prompts, self.mixed = self._prompts(tokenizer)
         self.expected = {i: run(self.off, [make_request(i, p, NEW_TOKENS)])[0][i] for i, p in self.prompts.items()}
 
     @staticmethod
-    def _prompts(tokenizer: object) -> dict[int, str]:
+    def _prompts(tokenizer: object) -> tuple[dict[int, str], list[int]]:
+        """PER_CLASS prompts of each class by id, and their ids with the classes interleaved."""
         taken: dict[str, int] = {}
         prompts: dict[int, str] = {}
+        rank: dict[int, int] = {}  # a prompt's place within its class
         for n, row in enumerate(build(16)):
             prompt = _parse_line(n, json.dumps(row), Path("prompt_classes"))
             if taken.get(prompt.category, 0) >= PER_CLASS:
                 continue
-            taken[prompt.category] = taken.get(prompt.category, 0) + 1
+            rank[n] = taken[prompt.category] = taken.get(prompt.category, 0) + 1
             text = (tokenizer.apply_chat_template(list(prompt.messages), tokenize=False,  # type: ignore[attr-defined]
                                                   add_generation_prompt=True)
                     if prompt.messages is not None else prompt.text)
             prompts[n] = str(text)
-        return prompts
+        return prompts, sorted(prompts, key=lambda n: (rank[n], n))
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +112,20 @@ def test_greedy_verified_alone_equals_off(qwen: Qwen) -> None:
 
 def test_greedy_mixed_batch_equals_off(qwen: Qwen) -> None:
     """off, shadow and verified rows in one batch of the verified CausalLM, then every row of a
-    --speculate 4 CausalLM (n-gram drafts for all): each row equals its `off` output."""
-    requests = []
-    for n, (i, prompt) in enumerate(qwen.prompts.items()):
-        r = make_request(i, prompt, NEW_TOKENS)
-        r.layer_skip_mode = ("off", "shadow", "", "")[n % 4]
-        requests.append(r)
-    tokens, _, _, _ = run(qwen.verified, requests)
-    assert tokens == qwen.expected
-    tokens, _, _, reports = run(qwen.speculating, [make_request(i, p, NEW_TOKENS) for i, p in qwen.prompts.items()])
-    assert tokens == qwen.expected
+    --speculate 4 CausalLM (n-gram drafts for all): each row equals its `off` output. The prompts
+    go in batches of BATCH rows with the classes interleaved."""
+    prompts = [(i, qwen.prompts[i]) for i in qwen.mixed]
+    size = BATCH or len(prompts)
+    for start in range(0, len(prompts), size):
+        chunk = prompts[start : start + size]
+        expected = {i: qwen.expected[i] for i, _ in chunk}
+        requests = []
+        for n, (i, prompt) in enumerate(chunk):
+            r = make_request(i, prompt, NEW_TOKENS)
+            r.layer_skip_mode = ("off", "shadow", "", "")[(n + (start + n) // 4) % 4]  # classes meet every mode
+            requests.append(r)
+        tokens, _, _, _ = run(qwen.verified, requests)
+        assert tokens == expected, f"a verified row of the batch of prompts {[i for i, _ in chunk]} differs from off"
+        tokens, _, _, _ = run(qwen.speculating, [make_request(i, p, NEW_TOKENS) for i, p in chunk])
+        assert tokens == expected, f"a --speculate row of the batch of prompts {[i for i, _ in chunk]} differs from off"
     assert qwen.speculating.speculate == 4
