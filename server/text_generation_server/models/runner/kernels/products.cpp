@@ -46,7 +46,7 @@ struct Bf16Weights {
 struct Bf16Weights {
   using X = float;
   static constexpr int64_t kChunk = 2 * simd::kLanes;
-  static constexpr int kMaxTile = 2;
+  static constexpr int kMaxTile = 4;  // AVX-512: 4 x 4 sums + 8 weight vectors (AVX2: kTileLimit, 2)
   static constexpr int kTallTile = 5;  // AVX2, pairs of weight rows: 10 sums + 4 weights + x
   struct Vals { F lo, hi; };
   const uint16_t* w;
@@ -92,7 +92,7 @@ struct Bf16Weights {
 struct Int8Weights {
   using X = float;
   static constexpr int64_t kChunk = 2 * simd::kLanes;
-  static constexpr int kMaxTile = 2;
+  static constexpr int kMaxTile = 4;  // AVX-512: 4 x 4 sums + 8 weight vectors (AVX2: kTileLimit, 2)
   static constexpr int kTallTile = 5;  // AVX2, pairs of weight rows: 10 sums + 4 weights + x
   struct Vals { F lo, hi; };
   const int8_t* w;
