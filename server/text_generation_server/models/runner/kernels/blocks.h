@@ -75,13 +75,20 @@ struct F32Weights {
   }
 };
 
+// The vector type of a format's sums: W::V where it names one (256-bit sums in an AVX-512 build),
+// else the build's own.
+template <class W, class = void>
+struct SumsOf { using type = F; };
+template <class W>
+struct SumsOf<W, std::void_t<typename W::V>> { using type = typename W::V; };
+
 // Writes rows r of acc (+ bias) to y[m0 + j, row + r] for the R rows and MT x rows of a block.
-template <int R, int MT, typename Out>
-inline void store(F (&acc)[R][MT], Out* y, int64_t n, int64_t m0, int64_t row, const float* bias) {
+template <int R, int MT, typename V, typename Out>
+inline void store(V (&acc)[R][MT], Out* y, int64_t n, int64_t m0, int64_t row, const float* bias) {
   for (int j = 0; j < MT; ++j) {
     float sums[4];
     if constexpr (R == 4) {
-      F column[4] = {acc[0][j], acc[1][j], acc[2][j], acc[3][j]};
+      V column[4] = {acc[0][j], acc[1][j], acc[2][j], acc[3][j]};
       simd::hsum4(column, sums);
     } else {
       for (int r = 0; r < R; ++r) sums[r] = simd::hsum(acc[r][j]);
@@ -102,9 +109,10 @@ inline void store(F (&acc)[R][MT], Out* y, int64_t n, int64_t m0, int64_t row, c
 template <class W, int R, int MT, bool kShared, typename Out>
 inline void block(const W& w, const Prepared<typename W::X>& x, int64_t k, int64_t m0, Out* y, int64_t n, int64_t row,
                   const float* bias, int tile, int tiles) {
-  F acc[R][MT];
+  using V = typename SumsOf<W>::type;
+  V acc[R][MT];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < MT; ++j) acc[r][j] = simd::zero();
+    for (int j = 0; j < MT; ++j) acc[r][j] = V{};
   auto multiply = [&](const typename W::Vals (&v)[R], int64_t c) {
     for (int j = 0; j < MT; ++j) {
       const typename W::X* xj = x.row(m0 + j) + c;

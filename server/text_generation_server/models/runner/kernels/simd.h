@@ -79,11 +79,6 @@ inline F pow2_(F n) {  // 2^n for integral n in fp32 range
 inline F load_bf16(const uint16_t* p) {  // kLanes contiguous bf16 values -> fp32 in order
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
-inline float hsum(F v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 inline I load_i(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline I zero_i() { return _mm256_setzero_si256(); }
 inline I add_i32(I a, I b) { return _mm256_add_epi32(a, b); }
@@ -100,6 +95,18 @@ inline void widen_bf16(const uint16_t* p, F& lo, F& hi) {  // see the AVX-512 tw
 }
 
 #endif
+
+// Horizontal sums of 8-lane vectors: every variant's (AVX-512 builds use them for formats whose
+// tiles keep 256-bit sums, see products.cpp).
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline void hsum4(const __m256 (&v)[4], float* out) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+}
 
 // Scratch vectors on 64-byte boundaries: a vector load that straddles two cache lines costs two
 // (std::vector's 16-byte alignment splits 3 of 4 AVX-512 loads of the activations).
@@ -157,15 +164,12 @@ inline F exp(F x) {
   return mul(p, pow2_(n));
 }
 
-// Four horizontal sums: out[r] = sum of the lanes of v[r].
-inline void hsum4(const F (&v)[4], float* out) {
 #if defined(__AVX512F__)
+// Four horizontal sums: out[r] = sum of the lanes of v[r] (the 8-lane twin is above).
+inline void hsum4(const __m512 (&v)[4], float* out) {
   for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_ps(v[r]);
-#else
-  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
-#endif
 }
+#endif
 
 // fp32 -> bf16, round to nearest even (as c10::BFloat16 rounds); NaN stays NaN.
 inline uint16_t to_bf16(float value) {
