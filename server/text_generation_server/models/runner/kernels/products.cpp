@@ -26,7 +26,9 @@ struct Bf16Weights {
   const uint16_t* w;
   int64_t k;
 
-  Vals load(int64_t row, int64_t c) const { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k + c))}; }
+  Vals load(int64_t row, int64_t c) const {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k + c))};
+  }
   Vals load_tail(int64_t row, int64_t c, int64_t k_end) const {
     alignas(32) uint16_t part[kChunk] = {};
     std::memcpy(part, w + row * k + c, (k_end - c) * sizeof(uint16_t));
