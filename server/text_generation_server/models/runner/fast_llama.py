@@ -265,7 +265,7 @@ class FastLlamaRunner:
         self._draft_heads: dict[tuple[int, int], tuple[torch.Tensor, cpu_kernels.Projection]] = {}
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
         self.lm_head = model.lm_head.weight.detach().to(self.dtype)  # tied: the same tensor as embed
-        quantized = kind in ("4bit", "int8") and process_env().kernels.quantized_head == "int8"
+        quantized = kind in ("4bit", "4bit-bfloat16", "int8") and process_env().kernels.quantized_head == "int8"
         wants_int8 = config.int8_head if config.int8_head is not None else quantized
         self.head_projection = int8_head(ops, self.lm_head) if ops is not None and wants_int8 else None
         if self.head_projection is not None:

@@ -36,12 +36,14 @@ from . import kernel_build
 if TYPE_CHECKING:
     from .cpu_kernels import CpuOps, Projection
 
-KINDS = ("float32", "bfloat16", "4bit", "int8")  # weight formats of the fast runner's projections
+KINDS = ("float32", "bfloat16", "4bit", "4bit-bfloat16", "int8")  # weight formats of the fast runner's projections
+# (4bit: bitsandbytes 4-bit with an fp32 compute dtype; 4bit-bfloat16: with bf16, which the avx512_bf16 variant
+# multiplies with its bf16 dot product)
 CHOICES_FILE = "choices.json"
 MARGIN = 0.97  # a narrower variant must take at most this share of a wider one's time
 WEIGHT_BYTES = 96 << 20  # weights per synthetic step: beyond the last-level cache of these machines
 HIDDEN, INTER, HEADS, KV_HEADS, DIM, CONTEXT = 576, 1536, 9, 3, 64, 64
-BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "4bit": 0.5625, "int8": 1.0}
+BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "4bit": 0.5625, "4bit-bfloat16": 0.5625, "int8": 1.0}
 NF4_LIKE = torch.linspace(-1.0, 1.0, 16)
 ROWS = (1, 8)  # batch sizes of the synthetic steps
 METHOD = "synthetic decode steps of 1 and 8 rows"  # part of the key: a new method measures again
@@ -76,7 +78,7 @@ class _SyntheticStep:
     def __init__(self, ops: CpuOps, kind: str, num_layers: int, seed: int) -> None:
         self.ops, self.kind = ops, kind
         generator = torch.Generator().manual_seed(seed)
-        self.dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+        self.dtype = torch.bfloat16 if kind in ("bfloat16", "4bit-bfloat16") else torch.float32
         shapes = {"qkv": ((HEADS + 2 * KV_HEADS) * DIM, HIDDEN), "o": (HIDDEN, HEADS * DIM),
                   "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
         norm = torch.ones(HIDDEN, dtype=self.dtype)
@@ -92,7 +94,7 @@ class _SyntheticStep:
 
     def _projection(self, n: int, k: int, generator: torch.Generator) -> Projection:
         factory = self.ops.Projection
-        if self.kind == "4bit":
+        if self.kind.startswith("4bit"):
             codes = torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, generator=generator)
             return factory.four_bit(codes, torch.full((n * k // 64,), 0.05), NF4_LIKE, 64, n, k, None)
         if self.kind == "int8":

@@ -104,7 +104,9 @@ def weight_kind(layer: LayerWeights, dtype: torch.dtype) -> str:
     if isinstance(qkv, torch.Tensor):
         return str(dtype).removeprefix("torch.")
     kinds = {type(m).__name__ for m in qkv or ()}
-    return "4bit" if kinds == {BNB_4BIT} else "int8" if kinds == {BNB_8BIT} else str(dtype).removeprefix("torch.")
+    if kinds == {BNB_4BIT}:
+        return "4bit-bfloat16" if dtype == torch.bfloat16 else "4bit"
+    return "int8" if kinds == {BNB_8BIT} else str(dtype).removeprefix("torch.")
 
 
 def to_projection(ops: CpuOps, weight: Any, bias: torch.Tensor | None, dtype: torch.dtype,

@@ -1,5 +1,6 @@
-// Dense few-row products: fp32 weights (FMA) and bf16 weights (widened by a shift, or the
-// AVX-512 BF16 pair dot product in the avx512_bf16 variant). See blocks.h for the design.
+// Dense few-row products on the formats of blocks.h: fp32 weights (FMA), bf16 weights (widened
+// by a shift, or the AVX-512 BF16 pair dot product in the avx512_bf16 variant), and weight-only
+// int8 in blocks. See blocks.h for the design.
 #include <cstring>
 
 #include "blocks.h"
@@ -8,89 +9,10 @@
 namespace tgi {
 namespace {
 
+using blocks::Bf16Weights;
 using blocks::F32Weights;
 using blocks::Prepared;
 using simd::F;
-
-#if defined(__AVX512BF16__)
-// vdpbf16ps on 256-bit vectors (AVX-512 VL): pairs of bf16 products summed into fp32 lanes; x
-// stays bf16. The 512-bit form streamed one-row products slower on a Zen 4 (a 212 MB product at
-// 41 GB/s against the 256-bit AVX2 loops' 50-56); the FMA rate of both forms is the same there.
-struct Bf16Weights {
-  using X = uint16_t;
-  using V = __m256;
-  static constexpr int64_t kChunk = 16;
-  static constexpr int kMaxTile = 4;
-  static constexpr int kTallTile = 4;  // unused (AVX-512)
-  struct Vals { __m256i v; };
-  const uint16_t* w;
-  int64_t k;
-
-  Vals load(int64_t row, int64_t c) const {
-    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k + c))};
-  }
-  Vals load_tail(int64_t row, int64_t c, int64_t k_end) const {
-    alignas(32) uint16_t part[kChunk] = {};
-    std::memcpy(part, w + row * k + c, (k_end - c) * sizeof(uint16_t));
-    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(part))};
-  }
-  void prefetch(int64_t row, int64_t c) const { simd::prefetch_ahead(w + row * k + c); }
-  int64_t row_bytes(int64_t k_) const { return k_ * 2; }
-  static V madd(V acc, const Vals& v, const uint16_t* x) {
-    return _mm256_dpbf16_ps(acc, (__m256bh)v.v, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  }
-
-  static Prepared<uint16_t> prepare(const uint16_t* x, int64_t m, int64_t k_) {
-    Prepared<uint16_t> out(m, k_, kChunk);
-    for (int64_t j = 0; j < m; ++j) std::memcpy(out.row(j), x + j * k_, k_ * sizeof(uint16_t));
-    return out;
-  }
-};
-#else
-// Widened to fp32 by a shift (exact), then FMA; x is widened once per call in the same order.
-struct Bf16Weights {
-  using X = float;
-  static constexpr int64_t kChunk = 2 * simd::kLanes;
-  static constexpr int kMaxTile = 4;  // AVX-512: 4 x 4 sums + 8 weight vectors (AVX2: kTileLimit, 2)
-  static constexpr int kTallTile = 5;  // AVX2, pairs of weight rows: 10 sums + 4 weights + x
-  struct Vals { F lo, hi; };
-  const uint16_t* w;
-  int64_t k;
-
-  Vals load(int64_t row, int64_t c) const {
-    Vals v;
-    simd::widen_bf16(w + row * k + c, v.lo, v.hi);
-    return v;
-  }
-  Vals load_tail(int64_t row, int64_t c, int64_t k_end) const {
-    alignas(64) uint16_t part[kChunk] = {};
-    std::memcpy(part, w + row * k + c, (k_end - c) * sizeof(uint16_t));
-    Vals v;
-    simd::widen_bf16(part, v.lo, v.hi);
-    return v;
-  }
-  void prefetch(int64_t row, int64_t c) const { simd::prefetch_ahead(w + row * k + c); }
-  int64_t row_bytes(int64_t k_) const { return k_ * 2; }
-  static F madd(F acc, const Vals& v, const float* x) {
-    return simd::fmadd(v.hi, simd::load(x + simd::kLanes), simd::fmadd(v.lo, simd::load(x), acc));
-  }
-
-  static Prepared<float> prepare(const uint16_t* x, int64_t m, int64_t k_) {
-    Prepared<float> out(m, k_, kChunk);
-    simd::Buffer<uint16_t> padded(out.padded_k, 0);
-    for (int64_t j = 0; j < m; ++j) {
-      std::memcpy(padded.data(), x + j * k_, k_ * sizeof(uint16_t));
-      for (int64_t c = 0; c < out.padded_k; c += kChunk) {
-        F lo, hi;
-        simd::widen_bf16(padded.data() + c, lo, hi);
-        simd::store(out.row(j) + c, lo);
-        simd::store(out.row(j) + c + simd::kLanes, hi);
-      }
-    }
-    return out;
-  }
-};
-#endif
 
 // Weight-only int8 in blocks: w = code * scale[block] with blocks of 2^shift weights along k
 // (within rows); codes widened to fp32 (exact) and scaled per chunk, x used in fp32 as it is.
