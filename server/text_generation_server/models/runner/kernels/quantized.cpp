@@ -48,14 +48,31 @@ constexpr int kVectors = 2;  // [even elements 0..30], [odd elements 1..31]: hig
 // The position within a chunk that lane p of the decoded vectors holds.
 inline int64_t source(int64_t p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
 
+// The table is scaled by the block's absmax once per chunk (the same fp32 products bitsandbytes
+// computes per weight; rounded once to bf16 for a bf16 compute dtype), then looked up: one
+// permute per 16 weights.
 struct Decoder {
   F table;
   explicit Decoder(const float* values) : table(_mm512_loadu_ps(values)) {}
-  void operator()(const uint8_t* codes, F scale, F (&out)[kVectors]) const {
+  template <bool kRound>
+  void fp32(const uint8_t* codes, F scale, F (&out)[kVectors]) const {
+    F values = _mm512_mul_ps(table, scale);
+    if constexpr (kRound) values = simd::round_to_bf16(values);
     const I bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-    out[0] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table), scale);
-    out[1] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), table), scale);
+    out[0] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
+    out[1] = _mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), values);
   }
+#if defined(__AVX512BF16__)
+  // The chunk as 32 bf16 values in the same order: the scaled table rounded to bf16 by one
+  // instruction (ties to even, as bitsandbytes rounds; denormals flush to zero, as vdpbf16ps reads
+  // its inputs anyway), then one 16-bit permute.
+  void bf16(const uint8_t* codes, F scale, __m256i (&out)[2]) const {
+    const __m256i values = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(table, scale)));
+    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    out[0] = _mm256_permutexvar_epi16(_mm256_srli_epi16(words, 4), values);
+    out[1] = _mm256_permutexvar_epi16(_mm256_and_si256(words, _mm256_set1_epi16(15)), values);
+  }
+#endif
 };
 #else
 // AVX2 has no 16-entry fp32 permute: the table is split into its 4 byte planes, each looked up
@@ -80,7 +97,8 @@ struct Decoder {
     for (int b = 0; b < 4; ++b)
       planes[b] = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes[b])));
   }
-  void operator()(const uint8_t* codes, F scale, F (&out)[kVectors]) const {
+  template <bool kRound>
+  void fp32(const uint8_t* codes, F scale, F (&out)[kVectors]) const {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
     const __m128i low4 = _mm_set1_epi8(15);
     const I index = _mm256_set_m128i(_mm_and_si128(packed, low4), _mm_and_si128(_mm_srli_epi16(packed, 4), low4));
@@ -92,6 +110,8 @@ struct Decoder {
     out[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(b01_low, b23_low)), scale);
     out[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(b01_high, b23_high)), scale);
     out[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(b01_high, b23_high)), scale);
+    if constexpr (kRound)
+      for (auto& v : out) v = simd::round_to_bf16(v);
   }
 };
 #endif
@@ -100,18 +120,23 @@ constexpr int64_t kChunk4 = 32;
 
 struct FourBit {
   const Packed4& w;
-  Decoder decode;
+  Decoder decoder;
   int shift;  // log2(blocksize)
   int64_t k;
 
+  const uint8_t* codes(int64_t row, int64_t c) const {
+    const uint8_t* p = w.codes + (row * k + c) / 2;
+    if ((c & 127) == 0) simd::prefetch_ahead(p);  // a cache line of codes per 128 weights
+    return p;
+  }
+  F scale(int64_t row, int64_t c) const { return simd::set1(w.absmax[(row * k + c) >> shift]); }
   template <bool kRound>
   void chunk(int64_t row, int64_t c, F (&out)[kVectors]) const {
-    const int64_t e = row * k + c;
-    if ((c & 127) == 0) simd::prefetch_ahead(w.codes + e / 2);  // a cache line of codes per 128 weights
-    decode(w.codes + e / 2, simd::set1(w.absmax[e >> shift]), out);
-    if constexpr (kRound)
-      for (auto& v : out) v = simd::round_to_bf16(v);
+    decoder.fp32<kRound>(codes(row, c), scale(row, c), out);
   }
+#if defined(__AVX512BF16__)
+  void chunk_bf16(int64_t row, int64_t c, __m256i (&out)[2]) const { decoder.bf16(codes(row, c), scale(row, c), out); }
+#endif
 };
 
 // x rows in the decoder's order, as one fp32 product expects them.
@@ -150,30 +175,35 @@ void four_bit_one_row(const FourBit& w, const float* x, const float* bias, float
   }
 }
 
-inline void store_decoded(float* p, const F (&v)[kVectors]) {
-  for (int i = 0; i < kVectors; ++i) simd::store(p + i * simd::kLanes, v[i]);
+template <bool kRound>
+inline void decode_into(const FourBit& w, int64_t row, int64_t c, float* out) {
+  F v[kVectors];
+  w.chunk<kRound>(row, c, v);
+  for (int i = 0; i < kVectors; ++i) simd::store(out + i * simd::kLanes, v[i]);
 }
 
 #if defined(__AVX512BF16__)
-// bf16 compute dtype in the avx512_bf16 variant: a chunk's 32 decoded weights rounded to bf16 by
-// one instruction (ties to even, as bitsandbytes rounds them; denormals flush to zero, as
-// vdpbf16ps reads its inputs anyway), in the decoder's order.
-inline __m512bh to_bf16(const F (&v)[kVectors]) { return _mm512_cvtne2ps_pbh(v[1], v[0]); }
-inline void store_decoded(uint16_t* p, const F (&v)[kVectors]) {
-  _mm512_storeu_si512(p, reinterpret_cast<__m512i>(to_bf16(v)));
+// bf16 compute dtype in the avx512_bf16 variant: chunks decoded to bf16 (Decoder::bf16) and
+// multiplied with vdpbf16ps.
+template <bool kRound>
+inline void decode_into(const FourBit& w, int64_t row, int64_t c, uint16_t* out) {
+  __m256i v[2];
+  w.chunk_bf16(row, c, v);
+  for (int i = 0; i < 2; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * i), v[i]);
 }
 
 // One x row of bf16 values: 32 products per vdpbf16ps, two sums.
 template <bool kRound>
 void four_bit_one_row(const FourBit& w, const uint16_t* x, const float* bias, float* y, int64_t row) {
-  F acc[2] = {simd::zero(), simd::zero()};
-  int i = 0;
-  for (int64_t c = 0; c < w.k; c += kChunk4, i ^= 1) {
-    F v[kVectors];
-    w.chunk<false>(row, c, v);
-    acc[i] = _mm512_dpbf16_ps(acc[i], to_bf16(v), reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + c)));
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t c = 0; c < w.k; c += kChunk4) {
+    __m256i v[2];
+    w.chunk_bf16(row, c, v);
+    for (int i = 0; i < 2; ++i)
+      acc[i] = _mm256_dpbf16_ps(acc[i], reinterpret_cast<__m256bh>(v[i]),
+                                reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + c + 16 * i))));
   }
-  y[row] = simd::hsum(simd::add(acc[0], acc[1])) + (bias ? bias[row] : 0.0f);
+  y[row] = simd::hsum(_mm256_add_ps(acc[0], acc[1])) + (bias ? bias[row] : 0.0f);
 }
 
 // The bf16 few-row product on weight rows row .. row + rows decoded as bf16 into `decoded` (its
@@ -194,10 +224,9 @@ void four_bit_one_row(const FourBit& w, const uint16_t* x, const float* bias, fl
 Prepared<uint16_t> narrow_prepared(const Prepared<float>& x, int64_t m, int64_t k) {
   Prepared<uint16_t> out(m, k, kChunk4);
   for (int64_t j = 0; j < m; ++j)
-    for (int64_t c = 0; c < x.padded_k; c += kChunk4) {
-      const F v[kVectors] = {simd::load(x.row(j) + c), simd::load(x.row(j) + c + simd::kLanes)};
-      store_decoded(out.row(j) + c, v);
-    }
+    for (int64_t c = 0; c < x.padded_k; c += simd::kLanes)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.row(j) + c),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(simd::load(x.row(j) + c))));
   return out;
 }
 #endif
@@ -208,11 +237,7 @@ template <bool kRound, typename X>
 void four_bit_rows(const FourBit& w, const Prepared<X>& x, int64_t m, const float* bias, float* y, int64_t n,
                    int64_t row, int64_t rows, simd::Buffer<X>& decoded) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < w.k; c += kChunk4) {
-      F v[kVectors];
-      w.chunk<kRound && sizeof(X) == 4>(row + r, c, v);  // bf16: rounded as it is stored
-      store_decoded(decoded.data() + r * w.k + c, v);
-    }
+    for (int64_t c = 0; c < w.k; c += kChunk4) decode_into<kRound>(w, row + r, c, decoded.data() + r * w.k + c);
   decoded_rows(decoded.data(), x, m, w.k, bias, y, n, row, rows);
 }
 
