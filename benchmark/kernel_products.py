@@ -8,7 +8,10 @@ is left out), 1 and 8 activation rows, 2 threads. Contestants, per weight format
   torch's weight-only `_weight_int8pack_mm` (other numerics: no activation quantization);
 - 4-bit: our nf4 kernel vs bitsandbytes' CPU path (dequantize the weight, then F.linear; the same
   numerics) vs torch's `_weight_int4pack_mm_for_cpu` (asymmetric int4 with zero points in
-  groups of 64: it cannot hold nf4's table, so it is a speed reference only).
+  groups of 64: it cannot hold nf4's table, so it is a speed reference only);
+- 4-bit with a bf16 compute dtype ("nf4-bf16"): our kernel (bf16 dot products on the
+  avx512_bf16 variant) vs bitsandbytes' path in bf16 (weights dequantized, cast to bf16, F.linear).
+Each format runs on the variant chosen for its weight kind (kernel_choice).
 Each figure is one whole step of products; contestants are interleaved, median of the repeats.
 Results: benchmark/results/kernel_products.json.
 
@@ -67,18 +70,23 @@ def int8(ops: cpu_kernels.CpuOps, weights: list[torch.Tensor]) -> dict[str, list
     return out
 
 
-def four_bit(ops: cpu_kernels.CpuOps, weights: list[torch.Tensor]) -> dict[str, list[Product]]:
+def four_bit(ops: cpu_kernels.CpuOps, weights: list[torch.Tensor],
+             dtype: torch.dtype = torch.float32) -> dict[str, list[Product]]:
     import bitsandbytes.functional as bnb_functional
 
     table = bnb_functional.get_4bit_type("nf4", device="cpu").float()
-    out: dict[str, list[Product]] = {"kernel": [], "bnb dequantize+linear": [], "torch int4pack": []}
+    out: dict[str, list[Product]] = {"kernel": [], "bnb dequantize+linear": []}
+    if dtype == torch.float32:
+        out["torch int4pack"] = []
     for w in weights:
         n, k = w.shape
         packed, state = bnb_functional.quantize_4bit(w, blocksize=64, quant_type="nf4")
         out["kernel"].append(ops.Projection.four_bit(packed.view(torch.uint8).reshape(-1), state.absmax.float(),
                                                      table, 64, n, k, None))
         out["bnb dequantize+linear"].append(
-            lambda x, p=packed, s=state: F.linear(x, bnb_functional.dequantize_4bit(p, s)))
+            lambda x, p=packed, s=state: F.linear(x, bnb_functional.dequantize_4bit(p, s).to(x.dtype)))
+        if dtype != torch.float32:
+            continue
         groups = w.view(n, k // GROUP, GROUP)
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
         scale = (high - low).clamp(min=1e-8) / 15
@@ -113,25 +121,29 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*inputs will be cast from.*")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its "inputs will be cast" on every int8 call
-    ops = cpu_kernels.load()
-    if ops is None:
+    loaded = {kind: cpu_kernels.load(kind=kind) for kind in ("float32", "bfloat16", "int8", "4bit", "4bit-bfloat16")}
+    ops = {kind: o for kind, o in loaded.items() if o is not None}
+    if len(ops) < len(loaded):
         raise SystemExit(f"the CPU kernels are unavailable here: {cpu_kernels.unavailable_reason()}")
     weights = _weights()
     params = sum(w.numel() for w in weights)
-    formats = {"fp32": (dense(ops, weights, torch.float32), torch.float32, 4.0),
-               "bf16": (dense(ops, weights, torch.bfloat16), torch.bfloat16, 2.0),
-               "int8": (int8(ops, weights), torch.float32, 1.0), "nf4": (four_bit(ops, weights), torch.float32, 0.5625)}
+    formats = {"fp32": (dense(ops["float32"], weights, torch.float32), torch.float32, 4.0),
+               "bf16": (dense(ops["bfloat16"], weights, torch.bfloat16), torch.bfloat16, 2.0),
+               "int8": (int8(ops["int8"], weights), torch.float32, 1.0),
+               "nf4": (four_bit(ops["4bit"], weights), torch.float32, 0.5625),
+               "nf4-bf16": (four_bit(ops["4bit-bfloat16"], weights, torch.bfloat16), torch.bfloat16, 0.5625)}
     runs = {f"{fmt} {name} {rows} row{'s' if rows > 1 else ''}": step_timer(products, dtype, rows)
             for fmt, (contestants, dtype, _) in formats.items() for rows in (1, 8)
             for name, products in contestants.items()}
     figures = summarize(interleave(runs, args.repeats))
+    variants = {kind: o.variant for kind, o in ops.items()}
     print(f"\nOne decode step's layer products ({params / 1e6:.0f}M weights; ms, median of {args.repeats}); "
-          f"GB/s = weight bytes / time; CPU kernels: {ops.variant}")
+          f"GB/s = weight bytes / time; CPU kernels: {variants}")
     for name, figure in figures.items():
         gb_s = params * formats[name.split()[0]][2] / figure["median"] / 1e6
         figure["weight_gb_per_s"] = gb_s
         print(f"{name:<36}{figure['median']:>8.1f} ms{gb_s:>8.1f} GB/s")
-    write_results("kernel_products", {"threads": args.threads, "repeats": args.repeats, "cpu_kernels": ops.variant,
+    write_results("kernel_products", {"threads": args.threads, "repeats": args.repeats, "cpu_kernels": variants,
                                       "ms_per_step": figures})
 
 
