@@ -17,6 +17,8 @@ Tolerances (max abs difference of logits, against TransformersRunner on the same
   dequantize_4bit weights in fp32 (bitsandbytes' own CPU path on this machine; on AVX-512 BF16
   CPUs bitsandbytes itself computes nf4 in bf16, so its modules are not the reference there):
   within NF4_TOLERANCE (measured 5.7e-5 with the kernels; bitsandbytes' own modules: 0.0).
+  With a bf16 compute dtype, against the same fp32 definition: the bf16 decode steps'
+  tolerance, greedy changes only at near-ties (test_nf4_bf16_decode_steps_within_tolerance).
 - bitsandbytes int8 (LLM.int8(), threshold 6): its outlier columns are chosen over every row
   of a forward, so bitsandbytes gives different logits for the same prompt run at once and
   token by token (measured 1.84 and 2.33 on two prompts): a discontinuity that turns any
@@ -310,6 +312,28 @@ def test_nf4_within_tolerance(model: PreTrainedModel, model_path: Path, prompts:
     ref = TransformersRunner(_dequantized_reference(model, nf4))
     diff = (_teacher_forced(fast, prompts) - _teacher_forced(ref, prompts)).abs().max()  # type: ignore[arg-type]
     assert diff <= NF4_TOLERANCE, f"nf4 logits differ by {diff}"
+
+
+def test_nf4_bf16_decode_steps_within_tolerance(model: PreTrainedModel, model_path: Path,
+                                               prompts: list[list[int]]) -> None:
+    """nf4 with a bf16 compute dtype (weights rounded to bf16 as bitsandbytes rounds them; bf16
+    dot products in the avx512_bf16 variant) against bitsandbytes' definition in fp32, 32
+    teacher-forced steps: logits within the bf16 decode tolerance, and a greedy choice changes
+    only at an fp32 near-tie. Measured: max 1.08 (avx512_bf16), 0.91 (avx512_vnni), 0.94 (avx2);
+    4-6 of 128 choices flip, all at fp32 top-2 margins <= 0.15."""
+    pytest.importorskip("bitsandbytes")
+    nf4 = load_model(model_path, LoadConfig(quantize="bitsandbytes-nf4", dtype="bfloat16"))
+    fast = build_runner(nf4, "fast", FastRunnerConfig(int8_head=False))
+    ref = TransformersRunner(_dequantized_reference(model, nf4))
+    fast_stream, _ = Stream.prefill(fast, prompts)  # type: ignore[arg-type]
+    ref_stream, ref_logits = Stream.prefill(ref, prompts)
+    diffs, margins = [], []
+    for _, fast_step, ref_step in teacher_forced(fast_stream, ref_stream, ref_logits, 32):
+        diffs.append((fast_step - ref_step).abs().max())
+        top = torch.topk(ref_step, 2, dim=-1).values
+        margins += (top[..., 0] - top[..., 1])[fast_step.argmax(-1) != ref_step.argmax(-1)].tolist()
+    assert max(diffs) <= BF16_DECODE_TOLERANCE, f"nf4 bf16 decode logits differ by up to {max(diffs)}"
+    assert all(m <= BF16_NEAR_TIE for m in margins), f"nf4 bf16 changed greedy tokens at fp32 margins {margins}"
 
 
 def test_quantized_models_read_the_head_as_int8(model_path: Path, prompts: list[list[int]]) -> None:
