@@ -312,8 +312,8 @@ def consistency(model_id: ModelArg = DEFAULT_MODEL_ID,
                 reference: Annotated[str | None, typer.Option(
                     "--reference", help="float16, bfloat16 or float32 (default: float16 where fp16 runs on this "
                     "CPU, else float32).")] = None,
-                candidates: Annotated[str, typer.Option("--candidates", help="Comma-separated: int8,nf4,fp4"
-                                                        ",bfloat16.")] = "int8,nf4,fp4",
+                candidates: Annotated[str, typer.Option("--candidates", help="Comma-separated, of int8, nf4, fp4"
+                                                        ", nf4-bfloat16, bfloat16, float16.")] = "int8,nf4,fp4",
                 policy: Annotated[Path | None, typer.Option("--policy", help="Policy (lossy) to apply too.")] = None,
                 split: Annotated[Split, typer.Option("--split")] = Split.heldout,
                 max_prompts: MaxPromptsOpt = 8, new_tokens: NewTokensOpt = 16, threads: ThreadsOpt = None) -> None:

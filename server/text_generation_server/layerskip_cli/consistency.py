@@ -34,8 +34,8 @@ from .output import markdown_table, note, progress, write_json
 from .prompts import Prompt
 
 CANDIDATES = {"int8": ("bitsandbytes", "float32"), "nf4": ("bitsandbytes-nf4", "float32"),
-              "fp4": ("bitsandbytes-fp4", "float32"), "bfloat16": (None, "bfloat16"), "float16": (None, "float16"),
-              "float32": (None, "float32")}
+              "fp4": ("bitsandbytes-fp4", "float32"), "nf4-bfloat16": ("bitsandbytes-nf4", "bfloat16"),
+              "bfloat16": (None, "bfloat16"), "float16": (None, "float16"), "float32": (None, "float32")}
 REFERENCES = ("float16", "bfloat16", "float32")
 
 

@@ -35,8 +35,10 @@ class ModelSpec:
 
     @property
     def label(self) -> str:
-        return {None: self.dtype, "bitsandbytes": "int8", "bitsandbytes-nf4": "nf4",
-                "bitsandbytes-fp4": "fp4"}[self.quantize]
+        if self.quantize is None:
+            return self.dtype
+        label = {"bitsandbytes": "int8", "bitsandbytes-nf4": "nf4", "bitsandbytes-fp4": "fp4"}[self.quantize]
+        return label if self.dtype == "float32" else f"{label}-{self.dtype}"  # consistency.CANDIDATES' names
 
 
 class Engine:
