@@ -55,9 +55,8 @@ struct F32Weights {
   struct Vals { F v; };
   const float* w;
   int64_t k;
-  int64_t first_row = 0;  // w holds rows first_row.. (a decoded block of quantized rows)
 
-  const float* at(int64_t row, int64_t c) const { return w + (row - first_row) * k + c; }
+  const float* at(int64_t row, int64_t c) const { return w + row * k + c; }
   Vals load(int64_t row, int64_t c) const { return {simd::load(at(row, c))}; }
   Vals load_tail(int64_t row, int64_t c, int64_t k_end) const {
     alignas(64) float part[kChunk] = {};

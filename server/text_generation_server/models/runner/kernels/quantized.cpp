@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "blocks.h"
@@ -165,16 +166,21 @@ void four_bit_one_row(const FourBit& w, const float* x, const float* bias, float
   y[row] = simd::hsum(acc[0]) + (bias ? bias[row] : 0.0f);
 }
 
-// The fp32 few-row product (blocks.h) on weight rows row .. row + rows decoded into `decoded`.
-// Never inlined: inlined into four_bit's loop beside the decoder, GCC kept the AVX-512 4 x 4
-// tile's 16 sums on the stack and stored all of them on every chunk (4-16 x rows ran 1.6-2x slower).
-[[gnu::noinline]] void decoded_rows(const float* decoded, const Prepared<float>& x, int64_t m, int64_t k,
-                                    const float* bias, float* y, int64_t n, int64_t row, int64_t rows) {
-  const blocks::F32Weights dense{decoded, k, row};
+// The few-row product (blocks.h) on weight rows row .. row + rows decoded into `decoded` (fp32
+// values, or bf16 bits for the bf16 products; its row 0 is weight row `row`: y and bias are offset
+// to match). Never inlined: inlined into four_bit's loop beside the decoder, GCC kept the AVX-512
+// 4 x 4 tile's 16 sums on the stack and stored all of them on every chunk (4-16 x rows ran 1.6-2x
+// slower).
+template <typename X>
+[[gnu::noinline]] void decoded_rows(const X* decoded, const Prepared<X>& x, int64_t m, int64_t k, const float* bias,
+                                    float* y, int64_t n, int64_t row, int64_t rows) {
+  using W = std::conditional_t<std::is_same_v<X, float>, blocks::F32Weights, blocks::Bf16Weights>;
+  const W dense{decoded, k};
+  const float* block_bias = bias ? bias + row : nullptr;
   if (rows == blocks::kRows) {
-    blocks::rows_against_all_x<blocks::F32Weights, blocks::kRows>(dense, x, m, k, y, n, row, bias);
+    blocks::rows_against_all_x<W, blocks::kRows>(dense, x, m, k, y + row, n, 0, block_bias);
   } else {
-    for (int64_t r = 0; r < rows; ++r) blocks::rows_against_all_x<blocks::F32Weights, 1>(dense, x, m, k, y, n, row + r, bias);
+    for (int64_t r = 0; r < rows; ++r) blocks::rows_against_all_x<W, 1>(dense, x, m, k, y + row, n, r, block_bias);
   }
 }
 
@@ -208,20 +214,6 @@ void four_bit_one_row(const FourBit& w, const uint16_t* x, const float* bias, fl
     }
   }
   y[row] = simd::hsum(_mm256_add_ps(acc[0], acc[1])) + (bias ? bias[row] : 0.0f);
-}
-
-// The bf16 few-row product on weight rows row .. row + rows decoded as bf16 into `decoded` (its
-// row 0 is weight row `row`: y and bias are offset to match). Out of line, as its fp32 twin.
-[[gnu::noinline]] void decoded_rows(const uint16_t* decoded, const Prepared<uint16_t>& x, int64_t m, int64_t k,
-                                    const float* bias, float* y, int64_t n, int64_t row, int64_t rows) {
-  const blocks::Bf16Weights dense{decoded, k};
-  const float* block_bias = bias ? bias + row : nullptr;
-  if (rows == blocks::kRows) {
-    blocks::rows_against_all_x<blocks::Bf16Weights, blocks::kRows>(dense, x, m, k, y + row, n, 0, block_bias);
-  } else {
-    for (int64_t r = 0; r < rows; ++r)
-      blocks::rows_against_all_x<blocks::Bf16Weights, 1>(dense, x, m, k, y + row, n, r, block_bias);
-  }
 }
 
 // x rows (bf16 values, widened to fp32) in the decoder's order, as bf16.

@@ -97,7 +97,7 @@ inline void widen_bf16(const uint16_t* p, F& lo, F& hi) {  // see the AVX-512 tw
 #endif
 
 // Horizontal sums of 8-lane vectors: every variant's (AVX-512 builds use them for formats whose
-// tiles keep 256-bit sums, see products.cpp).
+// tiles keep 256-bit sums, see blocks.h).
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
