@@ -22,7 +22,7 @@ from .test_cpu_kernels import ops  # noqa: F401 - the per-variant fixture
 bnb = pytest.importorskip("bitsandbytes")
 functional = pytest.importorskip("bitsandbytes.functional")
 
-ROWS = [*range(1, 17), 20]  # 20: beyond the kernels' 16 rows (4-bit: dequantized weights and torch's GEMM)
+ROWS = [*range(1, 17), 20, 37]  # 20, 37: beyond the kernels' 16 rows (run in chunks of at most 16)
 
 
 def _relative(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -73,7 +73,7 @@ def test_four_bit_bf16_rounds_weights_as_bitsandbytes(ops, quant_type: str) -> N
     weight = torch.randn(67, 128, generator=generator) / 8
     bias = torch.randn(67, generator=generator)
     projection, dense = _four_bit(ops, weight, quant_type, 64, bias.bfloat16())
-    for rows in (1, 2, 5, 8, 16, 20):  # 2-16: the avx512_bf16 variant's bf16 products
+    for rows in (1, 2, 5, 8, 16, 20, 37):  # 2-16: the avx512_bf16 variant's bf16 products; more: chunks
         x = torch.randn(rows, 128, generator=generator).bfloat16()
         expected = torch.nn.functional.linear(x, dense.bfloat16(), bias.bfloat16())  # bitsandbytes' bf16 path
         out = projection(x)

@@ -8,7 +8,7 @@
 
 namespace tgi {
 
-constexpr int64_t kMaxRows = 16;  // activation rows of the products; more go to torch's GEMM
+constexpr int64_t kMaxRows = 16;  // activation rows of one product call (cpu_kernels.cpp chunks more)
 
 // The variant this module was compiled as (cpu_kernels.py names the same strings).
 const char* variant_name();
