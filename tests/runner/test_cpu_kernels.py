@@ -65,6 +65,26 @@ def test_matches_float64_products(ops: cpu_kernels.CpuOps, dtype: torch.dtype, n
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_projection_beyond_16_rows(ops: cpu_kernels.CpuOps, dtype: torch.dtype) -> None:
+    """Prefill-sized x: fp32 up to 64 rows in chunks of at most 16 on the kernels (each chunk
+    equal to the product of those rows alone), more rows and bf16 on torch's GEMM."""
+    generator = torch.Generator().manual_seed(17)
+    weight = torch.randn(67, 96, generator=generator).to(dtype)
+    bias = torch.randn(67, generator=generator).to(dtype)
+    projection = ops.Projection.dense(weight, bias)
+    for rows in (17, 33, 64, 65, 100):
+        x = torch.randn(rows, 96, generator=generator).to(dtype)
+        out = projection(x)
+        expected = _reference(x, weight, bias)
+        relative = 1e-5 if dtype == torch.float32 else 2**-7
+        assert (out.double() - expected).abs().max().item() <= relative * (expected.abs().max().item() + 1.0)
+        if dtype == torch.float32 and rows <= 64:
+            size = -(-rows // -(-rows // cpu_kernels.MAX_ROWS))  # even chunks
+            assert torch.equal(out[:size], ops.small_m_linear(x[:size].contiguous(), weight, bias)), rows
+
+
+@needs_kernel
 def test_refuses_bad_input_by_name(ops: cpu_kernels.CpuOps) -> None:
     weight = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="17 rows; at most 16"):

@@ -82,8 +82,8 @@ class Projection(Protocol):
     nbytes: int  # what one product reads: weights (codes), scales or absmax blocks, bias
 
     def __call__(self, x: torch.Tensor, /) -> torch.Tensor:
-        """x `[m, k]` -> `[m, n]` (1..16 rows on the kernels; more: dense on torch's GEMM, quantized
-        on the kernels in chunks of 16)."""
+        """x `[m, k]` -> `[m, n]` (1..16 rows on the kernels; more in chunks of 16 on the kernels
+        for quantized weights and fp32 up to 64 rows, else on torch's GEMM)."""
 
 
 class ProjectionFactory(Protocol):
