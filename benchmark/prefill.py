@@ -69,7 +69,8 @@ def main() -> None:
     ours = runners(path, args.bnb_dtype)
     for runner in ours.values():  # first-call allocations, oneDNN kernel selection
         runner_generate(runner, [ids[: min(lengths)]], 1)
-    ggufs = {} if args.no_llamacpp else {name: p for name, p in make_ggufs(args.model).items() if name in PAIRS.values()}
+    ggufs = {} if args.no_llamacpp else {
+        name: gguf for name, gguf in make_ggufs(args.model).items() if name in PAIRS.values()}
     seconds: dict[str, list[float]] = {}
     for round_index in range(args.rounds):
         for n in lengths:

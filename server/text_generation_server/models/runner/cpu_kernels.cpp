@@ -413,8 +413,8 @@ Tensor decode_layer(const Tensor& h, const Tensor& in_norm, const Projection& qk
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == rows &&
               k_cache.size(1) == kv_heads && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
               k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-              "decode_layer: caches must be [", rows, ", ", kv_heads, ", capacity, dim] of ", dtype, " with a contiguous "
-              "last dimension, got ", k_cache.sizes(), " and ", v_cache.sizes());
+              "decode_layer: caches must be [", rows, ", ", kv_heads, ", capacity, dim] of ", dtype,
+              " with a contiguous last dimension, got ", k_cache.sizes(), " and ", v_cache.sizes());
   const int64_t dim = k_cache.size(3);
   TORCH_CHECK(length >= 0 && length + new_tokens <= k_cache.size(2), "decode_layer: columns ", length, " .. ",
               length + new_tokens, " are outside the cache's ", k_cache.size(2));
@@ -449,7 +449,8 @@ void tgi_define_module(pybind11::module_& module) {
       .def_static("dense", &Projection::dense, "fp32/bf16 weight [n, k]")
       .def_static("four_bit", &Projection::four_bit, "bitsandbytes 4-bit codes, absmax, table, blocksize, n, k")
       .def_static("int8", &Projection::int8, "bitsandbytes LLM.int8(): CB, SCB, bias, threshold")
-      .def_static("int8_weights", &Projection::int8_weights, "weight-only int8 in blocks: codes, scales, blocksize, bias")
+      .def_static("int8_weights", &Projection::int8_weights,
+                  "weight-only int8 in blocks: codes, scales, blocksize, bias")
       .def("__call__", &Projection::operator(), "x [m, k] -> [m, n]")
       .def_readonly("n", &Projection::n)
       .def_readonly("k", &Projection::k)

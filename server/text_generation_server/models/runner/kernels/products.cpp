@@ -34,7 +34,8 @@ struct Int8Weights {
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)))};
 #else
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
 #endif
   }
   Vals load(int64_t row, int64_t c) const {

@@ -39,7 +39,8 @@ inline F pow2_(F n) {  // 2^n for integral n in fp32 range
 }
 // kLanes contiguous bf16 values -> fp32 in order.
 inline F load_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 inline float hsum(F v) { return _mm512_reduce_add_ps(v); }
 inline I load_i(const void* p) { return _mm512_loadu_si512(p); }
@@ -77,7 +78,8 @@ inline F pow2_(F n) {  // 2^n for integral n in fp32 range
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 inline F load_bf16(const uint16_t* p) {  // kLanes contiguous bf16 values -> fp32 in order
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 inline I load_i(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline I zero_i() { return _mm256_setzero_si256(); }
