@@ -278,13 +278,15 @@ inline F to_fp16_and_back(F value) {
 
 // Rows in parallel (a prefill's thousand rows of k = 4864 took 32 ms on one thread, more than
 // the products of that projection): first the fp16 values, each row's scale and the outlier
-// columns (flags per task, merged), then the quantized rows.
+// columns (flags per task, merged), then the quantized rows; raw pointers in the loops (int8
+// stores may alias a vector's fields, which GCC then reloaded for every element).
 QuantizedX quantize_rows(const float* x, int64_t m, int64_t k, float threshold) {
   QuantizedX q{blocks::round_up(k, kBytes), {}, {}, std::vector<float>(m, 0.0f), {}};
   std::vector<float> half(m * k);
   std::vector<char> outlier(k, 0);
   std::mutex merge;
   const float limit = to_fp16_and_back(threshold);  // compared in fp16, as torch compares an fp16 tensor
+  const bool check = threshold > 0.0f;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k));
   at::parallel_for(0, m, grain, [&](int64_t j0, int64_t j1) {
     std::vector<char> mine(k, 0);
@@ -294,14 +296,16 @@ QuantizedX quantize_rows(const float* x, int64_t m, int64_t k, float threshold) 
       int64_t c = 0;
       for (; c + simd::kLanes <= k; c += simd::kLanes) simd::store(h + c, to_fp16_and_back(simd::load(row + c)));
       for (; c < k; ++c) h[c] = to_fp16_and_back(row[c]);
+      float scale = 0.0f;  // in a register: through q.scales, each element waited for the last store
       for (c = 0; c < k; ++c) {
         const float magnitude = std::fabs(h[c]);
-        if (threshold > 0.0f && magnitude >= limit) {
+        if (check && magnitude >= limit) {
           mine[c] = 1;
         } else {
-          q.scales[j] = std::max(q.scales[j], magnitude);
+          scale = std::max(scale, magnitude);
         }
       }
+      q.scales[j] = scale;
     }
     const std::lock_guard<std::mutex> lock(merge);
     for (int64_t c = 0; c < k; ++c) outlier[c] |= mine[c];
@@ -314,18 +318,22 @@ QuantizedX quantize_rows(const float* x, int64_t m, int64_t k, float threshold) 
     for (int64_t j = j0; j < j1; ++j) {
       // torch's `127.0 / row_stats` is `row_stats.reciprocal() * 127.0`: two roundings.
       const float factor = (1.0f / q.scales[j]) * 127.0f;
+      const bool zero = q.scales[j] == 0.0f;
+      const float* h = half.data() + j * k;
+      const char* skip = outlier.data();
+      int8_t* signs = q.signs.data() + j * q.padded_k;
+      uint8_t* unsigned_part = q.unsigned_part.data() + j * q.padded_k;
       for (int64_t c = 0; c < k; ++c) {
-        const float scaled = half[j * k + c] * factor;
-        const int8_t v = outlier[c] || q.scales[j] == 0.0f ? 0 : static_cast<int8_t>(std::nearbyint(scaled));
-        q.signs[j * q.padded_k + c] = v;
+        const int8_t v = skip[c] || zero ? 0 : static_cast<int8_t>(std::nearbyint(h[c] * factor));
+        signs[c] = v;
 #if defined(__AVX512VNNI__)
-        q.unsigned_part[j * q.padded_k + c] = static_cast<uint8_t>(v + 128);
+        unsigned_part[c] = static_cast<uint8_t>(v + 128);
 #else
-        q.unsigned_part[j * q.padded_k + c] = static_cast<uint8_t>(v < 0 ? -v : v);
+        unsigned_part[c] = static_cast<uint8_t>(v < 0 ? -v : v);
 #endif
       }
 #if defined(__AVX512VNNI__)
-      for (int64_t c = k; c < q.padded_k; ++c) q.unsigned_part[j * q.padded_k + c] = 128;  // padding is x = 0
+      for (int64_t c = k; c < q.padded_k; ++c) unsigned_part[c] = 128;  // padding is x = 0
 #endif
     }
   });
