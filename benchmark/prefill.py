@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 import torch
+from runner_decode import MODELS, llamacpp_round, make_ggufs, runner_generate
 
 from text_generation_server.download import download_weights
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
 from text_generation_server.models.runner import FastLlamaRunner, FastRunnerConfig, Runner
 
 from common import write_results
-from runner_decode import MODELS, llamacpp_round, make_ggufs, runner_generate
 
 PAIRS = {"fp32": "f32", "bf16": "f16", "nf4": "q4_k_m", "int8": "q8_0"}  # ours -> llama.cpp's counterpart
 
