@@ -98,7 +98,7 @@ def test_prefill_and_64_decode_steps_match_transformers(model: PreTrainedModel, 
 
 
 def test_decode_beyond_the_kernels_row_limit(model: PreTrainedModel, prompts: list[list[int]]) -> None:
-    """18 rows: more than small_m_linear takes, so decode_layer hands its products to torch."""
+    """18 rows: more than decode_layer takes, so the layer runs op by op (products in chunks, SDPA)."""
     many = [prompts[i % len(prompts)][: 3 + i] for i in range(cpu_kernels.MAX_ROWS + 2)]
     fast_stream, _ = Stream.prefill(build_runner(model, "fast"), many)
     ref_stream, ref_logits = Stream.prefill(TransformersRunner(model), many)
