@@ -7,7 +7,7 @@ Design note. Whether drafting pays is arithmetic on three measured costs:
   several. It is measured at one row along a ladder of t and at 2 and 4 rows for t = 1..7,
   and interpolated, so a faster multi-token path (the CPU kernels' verification) is picked up
   by measuring, not coded. Rows are measured apart because 4 rows x 2 tokens is not 1 row x 8
-  (four KV caches, padding, rows x t beyond the kernels' 16 going to torch's GEMM): priced as
+  (four KV caches, padding, rows x t beyond the kernels' 16 leaving the one-call layer): priced as
   one row of 8 tokens, batch-4 drafting looked cheap and lost to plain decoding;
 - a draft forward of a configuration (skipped layers + head size, on the runner's draft weights:
   an int8 copy of a dense model's, FastRunnerConfig.draft_weights) at 1 and at 4 rows, measured
