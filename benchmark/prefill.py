@@ -4,8 +4,9 @@ A user who quantizes expects long prompts to get faster, not slower. Each contes
 prompt of `--lengths` tokens (a slice of one code-like text, the same ids on both sides) and
 picks the first token greedily; the timed span is that whole call. Contestants as in
 runner_decode.py: the fast runner in fp32 and bf16 (dense products of more than 16 rows in chunks
-on the kernels up to 64 rows in fp32, else on torch's GEMM) and with bitsandbytes nf4 and int8 weights (compute dtype `--bnb-dtype`; 4-bit
-products in chunks of 16 rows on the kernels, LLM.int8() on its own kernel at any row count),
+on the kernels up to 64 rows in fp32, else on torch's GEMM) and with bitsandbytes nf4 and int8
+weights (compute dtype `--bnb-dtype`; 4-bit products in chunks of 16 rows on the kernels,
+LLM.int8() on its own kernel at any row count),
 against llama.cpp's f32, f16, Q4_K_M and Q8_0 GGUFs of the same weights (llamacpp_decode.py with
 one new token, a subprocess per round). Every round runs every contestant at every length
 (interleaved); the table shows medians and the ratio to the llama.cpp counterpart (> 1: ours is
