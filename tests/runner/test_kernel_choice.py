@@ -69,3 +69,19 @@ def test_an_unknown_kind_is_refused_by_name() -> None:
     kinds = "float32, bfloat16, 4bit, 4bit-bfloat16, int8"
     with pytest.raises(ValueError, match=f"kernel weight kind 'fp8' is not one of {kinds}"):
         cpu_kernels.load(kind="fp8")
+
+
+def test_only_variants_whose_code_differs_for_a_kind_are_timed() -> None:
+    """An extension a kind's kernels do not use compiles the same code as the narrower variant,
+    which is kept; the rest keep their order (widest first)."""
+    def names(kind: str, variants: list[str]) -> list[str]:
+        return [v.name for v in cpu_kernels.variants_for(kind, [cpu_kernels.BY_NAME[n] for n in variants])]
+
+    zen4 = [v.name for v in cpu_kernels.VARIANTS]
+    assert names("float32", zen4) == names("4bit", zen4) == ["avx512", "avx2"]
+    assert names("bfloat16", zen4) == names("4bit-bfloat16", zen4) == ["avx512_bf16", "avx512", "avx2"]
+    assert names("int8", zen4) == ["avx512_vnni", "avx512", "avx2"]
+    ice_lake = ["avx512_vnni", "avx512", "avx2"]
+    assert names("bfloat16", ice_lake) == ["avx512", "avx2"]
+    assert names("int8", ice_lake) == ice_lake
+    assert names("int8", ["avx2"]) == ["avx2"]

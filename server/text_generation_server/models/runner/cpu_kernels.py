@@ -185,6 +185,19 @@ def runnable_variants() -> list[Variant]:
     return [v for v in VARIANTS if all(f in flags for f in v.cpu_flags)] if platform.machine() == "x86_64" else []
 
 
+def variants_for(kind: str, variants: list[Variant]) -> list[Variant]:
+    """Of `variants` (widest first), those whose code for weights of `kind` differs: a variant's
+    extension that the kind's kernels do not use (kernel_choice.EXTENSIONS) compiles the same code
+    as the next narrower variant, which is kept (fp32 products run the same AVX-512F code in the
+    avx512_bf16, avx512_vnni and avx512 variants: timing them against each other measured noise,
+    and the choice flipped between builds)."""
+    unused = set(kernel_choice.EXTENSIONS) - set(kernel_choice.EXTENSIONS_USED[kind])
+    kept: dict[frozenset[str], Variant] = {}
+    for variant in variants:
+        kept[frozenset(variant.cpu_flags) - unused] = variant  # the narrowest of equal ones stays
+    return [v for v in variants if v in kept.values()]
+
+
 def build_dir() -> Path:
     """Where these sources, built with these flags for this torch and Python, live."""
     parts = [path.read_text() for path in kernel_build.sources() if path != kernel_build.BINDINGS]
@@ -227,7 +240,8 @@ def _load(switch: str, kind: str) -> CpuOps | None:
         try:
             name, why = choice.name, f"forced by {ENV_SWITCH}"
             if switch == "auto":
-                candidates = {v.name: functools.partial(load_variant, v.name) for v in runnable_variants()}
+                candidates = {v.name: functools.partial(load_variant, v.name)
+                              for v in variants_for(kind, runnable_variants())}
                 signature = kernel_choice.cpu_signature(cpu_flags(), kernel_choice.cpu_model_name())
                 name, why = kernel_choice.choose(build_dir(), signature, kind, candidates)
             ops = load_variant(name)

@@ -6,7 +6,10 @@ executed as two 256-bit halves) a decode step of the default model measured, per
 nf4 avx512 10.4, avx2 12.3 (vpermps decodes 4-bit codes in one instruction). So, as FFTW keeps
 "wisdom", the variant for `TGI_CPU_KERNELS=auto` is chosen by timing each runnable variant on
 a synthetic decode step of that weight kind (decoder layers of one shape whose weights exceed
-the last-level cache, one new token for 1 and for 8 rows, interleaved rounds, medians; the score
+the last-level cache, one new token for 1 and for 8 rows, interleaved rounds in alternating
+order, medians; only variants whose code for that kind differs, cpu_kernels.variants_for: the
+avx512_bf16, avx512_vnni and avx512 variants' identical fp32 code measured up to 20% apart on
+this shared machine, and the choice between them flipped from one build to the next; the score
 is the mean of each row count's time relative to the fastest variant's: LLM.int8() on avx2 ties
 at one row and loses at eight, where VNNI's dot products count) and remembered in
 `choices.json` in the build folder, keyed by the CPU model, its flags and METHOD.
@@ -39,6 +42,9 @@ if TYPE_CHECKING:
 KINDS = ("float32", "bfloat16", "4bit", "4bit-bfloat16", "int8")  # weight formats of the fast runner's projections
 # (4bit: bitsandbytes 4-bit with an fp32 compute dtype; 4bit-bfloat16: with bf16, which the avx512_bf16 variant
 # multiplies with its bf16 dot product)
+EXTENSIONS = ("avx512_vnni", "avx512_bf16")  # CPU flags of variants beyond AVX-512F
+EXTENSIONS_USED = {"float32": (), "bfloat16": ("avx512_bf16",), "4bit": (), "4bit-bfloat16": ("avx512_bf16",),
+                   "int8": ("avx512_vnni",)}  # which of them each kind's kernels use (cpu_kernels.variants_for)
 CHOICES_FILE = "choices.json"
 MARGIN = 0.97  # a narrower variant must take at most this share of a wider one's time
 WEIGHT_BYTES = 96 << 20  # weights per synthetic step: beyond the last-level cache of these machines
@@ -46,7 +52,8 @@ HIDDEN, INTER, HEADS, KV_HEADS, DIM, CONTEXT = 576, 1536, 9, 3, 64, 64
 BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "4bit": 0.5625, "4bit-bfloat16": 0.5625, "int8": 1.0}
 NF4_LIKE = torch.linspace(-1.0, 1.0, 16)
 ROWS = (1, 8)  # batch sizes of the synthetic steps
-METHOD = "synthetic decode steps of 1 and 8 rows"  # part of the key: a new method measures again
+# part of the key: a new method measures again
+METHOD = "synthetic decode steps of 1 and 8 rows, variants distinct per kind"
 
 
 def cpu_signature(flags: set[str], model_name: str) -> str:
@@ -110,7 +117,7 @@ class _SyntheticStep:
                                       keys, values, CONTEXT, cos, sin, mask, HEADS, KV_HEADS, 1e-5, DIM**-0.5)
 
 
-def measure(modules: dict[str, CpuOps], kind: str, rounds: int = 3, steps: int = 5) -> dict[str, dict[int, float]]:
+def measure(modules: dict[str, CpuOps], kind: str, rounds: int = 4, steps: int = 5) -> dict[str, dict[int, float]]:
     """Median seconds of a synthetic decode step of `kind` per variant and row count (interleaved)."""
     layer_weights = (HIDDEN * (HEADS + 2 * KV_HEADS) * DIM + HEADS * DIM * HIDDEN + 3 * INTER * HIDDEN)
     num_layers = max(1, int(WEIGHT_BYTES / (layer_weights * BYTES_PER_WEIGHT[kind])))
@@ -119,8 +126,8 @@ def measure(modules: dict[str, CpuOps], kind: str, rounds: int = 3, steps: int =
     for step in stepper.values():  # first-call allocations
         for rows in ROWS:
             step(rows)
-    for _ in range(rounds):
-        for name, step in stepper.items():
+    for round_ in range(rounds):  # each round in the other order: a drift of the machine favours none
+        for name, step in list(stepper.items())[:: 1 if round_ % 2 == 0 else -1]:
             for rows in ROWS:
                 for _ in range(steps):
                     start = time.perf_counter()
