@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts of the class, decoded one after another")
     parser.add_argument("--batch", type=int, default=1, help="rows per decode (the prompt repeated)")
     parser.add_argument("--min-gain-rows", type=float, default=None,
-                        help="override draft_control.MIN_GAIN_ROWS for this run (an experiment)")
+                        help="override draft_control.MIN_GAIN_ROWS of --dtype for this run (an experiment)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="verified_profile")
@@ -120,7 +120,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     if args.min_gain_rows is not None:
-        draft_control.MIN_GAIN_ROWS = args.min_gain_rows
+        draft_control.MIN_GAIN_ROWS[args.dtype] = args.min_gain_rows
     lms, policy = model_lms(args.model, args.dtype, "auto", 6)
     cost = lms["verified"].costs()
     texts = prompt_texts(lms["off"].tokenizer, args.prompts)[args.prompt_class]

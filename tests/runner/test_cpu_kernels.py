@@ -189,6 +189,26 @@ def test_attention_of_several_new_tokens_is_causal_over_cache_and_new(ops: cpu_k
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_blocks_and_tails(ops: cpu_kernels.CpuOps, dtype: torch.dtype) -> None:
+    """Odd shapes for the blocked kernel: dim 72 (a tail after the whole vectors), 21 columns (a
+    short last group of four keys), 7 heads per kv head x 3 new tokens (blocks of an odd size)."""
+    generator = torch.Generator().manual_seed(5)
+    rows, new, heads, kv_heads, dim, total = 2, 3, 14, 2, 72, 21
+    keys = torch.randn(rows, kv_heads, total, dim, generator=generator).to(dtype)
+    values = torch.randn(rows, kv_heads, total, dim, generator=generator).to(dtype)
+    q = torch.randn(rows, new, heads, dim, generator=generator).to(dtype)
+    allowed = torch.arange(total)[None, :] <= torch.arange(total - new, total)[:, None]
+    mask = torch.zeros(rows, 1, new, total, dtype=dtype).masked_fill_(~allowed[None, None], torch.finfo(dtype).min)
+    out = ops.decode_attention(q, keys, values, mask, dim**-0.5)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(1, 2), keys.double(), values.double(), attn_mask=mask.double(), scale=dim**-0.5,
+        enable_gqa=True).transpose(1, 2).reshape(rows, new, heads * dim)
+    error = _relative_error(out, expected)
+    assert error <= (1e-6 if dtype == torch.float32 else 2**-7), f"{dtype}: relative error {error}"
+
+
+@needs_kernel
 def test_runs_on_torchs_openmp_runtime(ops: cpu_kernels.CpuOps) -> None:
     """A second libgomp would bring a second thread team spinning on the same cores."""
     ops.small_m_linear(torch.randn(1, 64), torch.randn(256, 64), None)

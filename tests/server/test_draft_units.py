@@ -316,7 +316,7 @@ def test_model_drafts_of_several_rows_must_clear_a_higher_bar() -> None:
     controller = DraftController(lambda: cost, max_draft=4, ngram=False)
     controller.rule("r", 0.7)
     skip = frozenset({1, 2})
-    assert MIN_GAIN < cost.best_k(0.7, skip, rows=2)[1] < MIN_GAIN_ROWS
+    assert MIN_GAIN < cost.best_k(0.7, skip, rows=2)[1] < MIN_GAIN_ROWS["float32"]
     rows = [_state(i, [1, 2, 3], SpecState(rule="r", skip=skip)) for i in range(2)]
     assert controller.plan_cycle(rows[:1]).model_k > 0 and controller.plan_cycle(rows).model_k == 0
 

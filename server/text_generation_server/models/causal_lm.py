@@ -104,7 +104,8 @@ class CausalLM:
         self.special_ids = frozenset(tokenizer.all_special_ids)
         self.speculation = speculation or SpeculateConfig()
         self.cost_model: CostModel | None = None
-        self.controller = DraftController(self.costs, self.speculation.max_draft, ngram=True)
+        self.controller = DraftController(self.costs, self.speculation.max_draft, ngram=True,
+                                          dtype=str(runner.dtype).removeprefix("torch."))
         policy = planner.scheduler.policy
         self.heads = DraftHeads(policy.draft_vocab, getattr(runner, "lm_head", None))
         for rule in (*policy.table.rules, policy.table.default):

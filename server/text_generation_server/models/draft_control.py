@@ -57,14 +57,17 @@ MIN_GAIN = 1.05
 # Batch 1 only: at batch 4 the learnt acceptance (0.91) then kept 1-draft cycles going that the
 # 4-row prices called paying and that ran 0.90x off (4-row cycles cost ~1.2x their warm-up price).
 LEARN_FLOOR = 0.95
-# Model drafts in a group of several rows must beat plain steps by this factor. Served 4-row cycles
-# of the 0.5B once cost 1.2-1.4x their warm-up price (code completion at batch 4 ran 0.84-0.93x off
-# at 1.05), so this was 1.25, and batch 4 then never drafted (0.99x off). Since the x-row tiles and
-# the blocked attention (2026-12-04, quiet machine, fp32) 4-row model cycles cost 0.97-1.00x their
-# price at ~170 cached tokens and 1.07-1.24x at ~1250 (the price is measured at 64); at 1.05 and
-# 1.15 code completion at batch 4 ran 1.25-1.31x off, chat 0.94-1.06x, summarisation 1.00x.
-# Where a multi-row verification costs about a step (a GPU) drafts clear it.
-MIN_GAIN_ROWS = 1.15
+# Model drafts in a group of several rows must beat plain steps by this factor, per compute dtype.
+# Served 4-row cycles of the 0.5B once cost 1.2-1.4x their warm-up price (code completion at batch 4
+# ran 0.84-0.93x off at 1.05), so the bar was 1.25, and batch 4 then never drafted (0.99x off). Since
+# the x-row tiles and the blocked attention (2026-12-04, quiet machine) float32 4-row model cycles
+# cost 0.97-1.00x their price at ~170 cached tokens and 1.07-1.24x at ~1250 (the price is measured
+# at 64); at a bar of 1.05-1.15 float32 code completion at batch 4 ran 1.25-1.31x off, chat
+# 0.94-1.06x, summarisation 1.00-1.06x. bfloat16 at 1.15 ran 0.87x (code completion) and 0.94x
+# (chat): its 4-row cycles still cost more than their price, so it keeps 1.25, as does any other
+# dtype. Where a multi-row verification costs about a step (a GPU) drafts clear either bar.
+MIN_GAIN_ROWS = {"float32": 1.15, "bfloat16": 1.25}
+MIN_GAIN_ROWS_OTHER = 1.25
 
 
 @dataclass(frozen=True)
@@ -136,10 +139,11 @@ class CyclePlan:
 class DraftController:
     """Draft decisions of one CausalLM (see module docstring)."""
 
-    def __init__(self, costs: Callable[[], CostModel], max_draft: int, ngram: bool) -> None:
+    def __init__(self, costs: Callable[[], CostModel], max_draft: int, ngram: bool, dtype: str = "float32") -> None:
         self.costs = costs
         self.max_draft = max_draft
         self.ngram = ngram  # n-gram drafts for speculating requests
+        self.dtype = dtype  # the runner's compute dtype, which sets the multi-row bar (MIN_GAIN_ROWS)
         self.force = False  # benchmarks/tests: always draft (no pay check, no auto-off)
         self.rules: dict[str, RuleRecord] = {}
 
@@ -193,7 +197,8 @@ class DraftController:
             return tokens / cost.cycle_s(rows, k, draft, max(k, longest_copy))
 
         best = max(range(1, self.max_draft + 1), key=rate)
-        if not self.force and rate(best) < (MIN_GAIN if rows == 1 else MIN_GAIN_ROWS) * rate(0):
+        bar = MIN_GAIN if rows == 1 else MIN_GAIN_ROWS.get(self.dtype, MIN_GAIN_ROWS_OTHER)
+        if not self.force and rate(best) < bar * rate(0):
             spec = states[0].spec
             learning = rows == 1 and spec is not None and spec.model.cycles < MIN_CYCLES_BEFORE_AUTO_OFF
             if not (learning and rate(best) >= LEARN_FLOOR * rate(0)):

@@ -14,8 +14,8 @@
 // cached tokens took 1.7-2.1 ms per layer (now 0.8), 42-49 ms of a 4-row verification. Each
 // query's arithmetic does not depend on its block (fp32 scores, a max-subtracted softmax and fp32
 // sums, as SDPA's CPU kernel accumulates; values accumulated column by column), so a query's
-// result is the same whatever else the forward carries. Masked entries hold the dtype's minimum, never -inf, so a
-// padding query (which sees no key) gets a uniform softmax instead of NaNs.
+// result is the same whatever else the forward carries. Masked entries hold the dtype's minimum,
+// never -inf, so a padding query (which sees no key) gets a uniform softmax instead of NaNs.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
