@@ -120,6 +120,18 @@ def test_rms_norm_matches_transformers_formula(ops: cpu_kernels.CpuOps, dtype: t
         ops.rms_norm(torch.randn(2, 8), torch.randn(4), 1e-5)
 
 
+def _assert_attention_matches_sdpa(ops: cpu_kernels.CpuOps, q: torch.Tensor, keys: torch.Tensor,
+                                   values: torch.Tensor, mask: torch.Tensor) -> None:
+    """decode_attention against float64 SDPA (grouped heads): 1e-6 relative in fp32, 2**-7 in bf16."""
+    rows, new, heads, dim = q.shape
+    out = ops.decode_attention(q, keys, values, mask, dim**-0.5)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(1, 2), keys.double(), values.double(), attn_mask=mask.double(), scale=dim**-0.5,
+        enable_gqa=True).transpose(1, 2).reshape(rows, new, heads * dim)
+    error = _relative_error(out, expected)
+    assert error <= (1e-6 if q.dtype == torch.float32 else 2**-7), f"{q.dtype}: relative error {error}"
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_matches_sdpa_on_cache_views(ops: cpu_kernels.CpuOps, dtype: torch.dtype) -> None:
@@ -133,12 +145,7 @@ def test_decode_attention_matches_sdpa_on_cache_views(ops: cpu_kernels.CpuOps, d
     allowed = torch.ones(rows, total, dtype=torch.bool)
     allowed[1, :10] = False  # row 1 is left-padded
     mask = torch.zeros(rows, 1, 1, total, dtype=dtype).masked_fill_(~allowed[:, None, None], torch.finfo(dtype).min)
-    out = ops.decode_attention(q, keys, values, mask, dim**-0.5)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.double().transpose(1, 2), keys.double(), values.double(), attn_mask=mask.double(), scale=dim**-0.5,
-        enable_gqa=True).transpose(1, 2).reshape(rows, 1, heads * dim)
-    error = _relative_error(out, expected)
-    assert error <= (1e-6 if dtype == torch.float32 else 2**-7), f"{dtype}: relative error {error}"
+    _assert_attention_matches_sdpa(ops, q, keys, values, mask)
     with pytest.raises(RuntimeError, match="q must be"):
         ops.decode_attention(qkv.transpose(1, 2), keys, values, mask, 1.0)
 
@@ -178,12 +185,7 @@ def test_attention_of_several_new_tokens_is_causal_over_cache_and_new(ops: cpu_k
     allowed = allowed[None].repeat(rows, 1, 1)
     allowed[1, :, :7] = False  # row 1 is left-padded
     mask = torch.zeros(rows, 1, new, total, dtype=dtype).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-    out = ops.decode_attention(q, keys, values, mask, dim**-0.5)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.double().transpose(1, 2), keys.double(), values.double(), attn_mask=mask.double(), scale=dim**-0.5,
-        enable_gqa=True).transpose(1, 2).reshape(rows, new, heads * dim)
-    error = _relative_error(out, expected)
-    assert error <= (1e-6 if dtype == torch.float32 else 2**-7), f"{dtype}: relative error {error}"
+    _assert_attention_matches_sdpa(ops, q, keys, values, mask)
     with pytest.raises(RuntimeError, match="mask must be a contiguous"):
         ops.decode_attention(q, keys, values, mask[:, :, :1], dim**-0.5)
 
@@ -200,12 +202,7 @@ def test_attention_blocks_and_tails(ops: cpu_kernels.CpuOps, dtype: torch.dtype)
     q = torch.randn(rows, new, heads, dim, generator=generator).to(dtype)
     allowed = torch.arange(total)[None, :] <= torch.arange(total - new, total)[:, None]
     mask = torch.zeros(rows, 1, new, total, dtype=dtype).masked_fill_(~allowed[None, None], torch.finfo(dtype).min)
-    out = ops.decode_attention(q, keys, values, mask, dim**-0.5)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.double().transpose(1, 2), keys.double(), values.double(), attn_mask=mask.double(), scale=dim**-0.5,
-        enable_gqa=True).transpose(1, 2).reshape(rows, new, heads * dim)
-    error = _relative_error(out, expected)
-    assert error <= (1e-6 if dtype == torch.float32 else 2**-7), f"{dtype}: relative error {error}"
+    _assert_attention_matches_sdpa(ops, q, keys, values, mask)
 
 
 @needs_kernel
