@@ -139,6 +139,10 @@ void accumulate(bool pair, const float* weights, const T* vr, const AttentionSha
 
 struct Block {
   int64_t row, kv_head, first, count;  // queries first .. first + count of the group (token-major)
+
+  // The new token and the head of the block's query j, in a group of `group` heads per kv head.
+  int64_t token(int64_t j, int64_t group) const { return (first + j) / group; }
+  int64_t head(int64_t j, int64_t group) const { return kv_head * group + (first + j) % group; }
 };
 
 template <typename T>
@@ -149,8 +153,7 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
   const T* kr = keys + b.row * s.k_row + b.kv_head * s.k_head;
   const T* vr = values + b.row * s.v_row + b.kv_head * s.v_head;
   for (int64_t j = 0; j < b.count; ++j) {
-    const int64_t query = b.first + j, token = query / group, head = b.kv_head * group + query % group;
-    const T* qr = q + b.row * s.q_row + token * s.q_token + head * s.q_head;
+    const T* qr = q + b.row * s.q_row + b.token(j, group) * s.q_token + b.head(j, group) * s.q_head;
     for (int64_t i = 0; i < dim; ++i) queries[j * dim + i] = as_float(qr[i]);
   }
   for (int64_t t = 0; t < total; t += 4) {
@@ -165,9 +168,8 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
   }
   float sums[kMaxBlock];
   for (int64_t j = 0; j < b.count; ++j) {
-    const int64_t token = (b.first + j) / group;
-    sums[j] = softmax_numerators(scores.data() + j * total, mask + (b.row * s.new_tokens + token) * total, total,
-                                 scale);
+    const T* mask_row = mask + (b.row * s.new_tokens + b.token(j, group)) * total;
+    sums[j] = softmax_numerators(scores.data() + j * total, mask_row, total, scale);
   }
   // Values: kQueries queries at a time, the dimension in slabs of whole vectors whose sums stay in
   // registers over all columns, then its tail.
@@ -190,8 +192,7 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
     }
   }
   for (int64_t j = 0; j < b.count; ++j) {
-    const int64_t query = b.first + j, token = query / group, head = b.kv_head * group + query % group;
-    T* o = out + ((b.row * s.new_tokens + token) * s.heads + head) * dim;
+    T* o = out + ((b.row * s.new_tokens + b.token(j, group)) * s.heads + b.head(j, group)) * dim;
     for (int64_t i = 0; i < dim; ++i) store(o + i, acc[j * dim + i] / sums[j]);
   }
 }
