@@ -1,6 +1,7 @@
 """Where a verified cycle's time goes, against what the cost model priced it at.
 
-The cost model (server/.../models/cost_model.py) is measured at warm-up on a 64-token context;
+The cost model (server/.../models/cost_model.py) is measured at warm-up on a 64-token context
+(attention past it priced per cached column, at the context of each step);
 drafting pays only if served cycles cost what it says. This decodes one prompt class in `off`
 and `verified` side by side (interleaved step by step, as layerskip_modes.py does) and, per
 step, records the stage times CausalLM reports (plan, forward, choose, stop) and, for verified,
@@ -48,8 +49,10 @@ def _counts(batch: CausalLMBatch) -> list[tuple[int, int, int, int]]:
             if s.spec is not None else (0, 0, 0, 0) for s in batch.requests]
 
 
-def _cycle(lm: CausalLM, batch: CausalLMBatch, before: list[tuple[int, int, int, int]]) -> tuple[str, float]:
-    """The kind of step the batch just ran (from its requests' counts) and the cost model's price."""
+def _cycle(lm: CausalLM, batch: CausalLMBatch, before: list[tuple[int, int, int, int]],
+           context: int) -> tuple[str, float]:
+    """The kind of step the batch just ran (from its requests' counts) and the cost model's price
+    after `context` cached columns."""
     cost, rows = lm.costs(), len(before)
     deltas = [tuple(a - b for a, b in zip(after, was, strict=True)) for after, was in zip(_counts(batch), before,
                                                                                            strict=True)]
@@ -58,11 +61,11 @@ def _cycle(lm: CausalLM, batch: CausalLMBatch, before: list[tuple[int, int, int,
     if model_k:
         skips = [s.spec.skip for s, d in zip(batch.requests, deltas, strict=True) if d[0] and s.spec is not None]
         vocab = next(s.spec.vocab for s, d in zip(batch.requests, deltas, strict=True) if d[0] and s.spec)
-        draft = cost.draft_s(rows, frozenset.intersection(*skips), vocab)
-        return f"model k={model_k}", cost.full_s(rows, max(model_k, copy_k) + 1) + model_k * draft
+        draft = cost.draft_s(rows, frozenset.intersection(*skips), vocab, context)
+        return f"model k={model_k}", cost.cycle_s(rows, model_k, draft, max(model_k, copy_k), context)
     if copy_k:
-        return f"copy k={copy_k}", cost.full_s(rows, copy_k + 1)
-    return "plain", cost.full_s(rows)
+        return f"copy k={copy_k}", cost.full_s(rows, copy_k + 1, context)
+    return "plain", cost.full_s(rows, 1, context)
 
 
 def profile(lms: dict[str, CausalLM], prompts: list[str], new_tokens: int) -> dict[str, list[dict[str, Any]]]:
@@ -77,7 +80,7 @@ def profile(lms: dict[str, CausalLM], prompts: list[str], new_tokens: int) -> di
             start = time.perf_counter()
             generations, current[mode], timings = lms[mode].generate_token(batch)
             wall = time.perf_counter() - start
-            kind, price = _cycle(lms[mode], batch, before)
+            kind, price = _cycle(lms[mode], batch, before, context)
             if current[mode] is None and mode == "verified":
                 kind = "last step"  # a finished request's cycle is not counted (CausalLM.adapt_drafting)
             tokens = sum(len(g.tokens.ids) for g in generations)

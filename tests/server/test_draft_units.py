@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from text_generation_server.layerskip import DraftSettings, DraftVocab, IdentityMap, Policy, Rule, RuleTable
 from text_generation_server.layerskip.policy import read_policy, save_policy
 from text_generation_server.models.batch import RequestState
-from text_generation_server.models.cost_model import CostModel, monotone, tokens_per_cycle
+from text_generation_server.models.cost_model import LONG_CONTEXT, CostModel, _Timer, monotone, tokens_per_cycle
 from text_generation_server.models.draft_control import (
     LEARN_FLOOR,
     MIN_GAIN,
@@ -159,6 +159,38 @@ def test_forwards_of_several_rows_are_priced_from_their_own_measurements() -> No
     # A free draft at 4 rows that pays when priced as one row does not pay with the rows' own costs.
     assert unbatched.best_free_k(0.5, rows=4)[0] > 0 and cost.best_free_k(0.5, rows=4) == (0, 1.0)
     assert set(cost.to_json()["batched_ms"]) == {"2", "4"}  # type: ignore[arg-type]
+
+
+def test_attention_past_the_measured_context_is_priced_per_row_and_column() -> None:
+    """Each activation row reads every cached column: past the measured context a forward costs
+    attention_s per row and column more, a draft for the layers it keeps; a long context makes a
+    verification of several tokens cost more against a step, so fewer drafts pay."""
+    cost = CostModel((1, 2, 4, 8), (1.0, 1.02, 1.05, 1.1), layer_s=0.02, num_layers=10, context=64,
+                     attention_s=1e-4)
+    assert cost.full_s(1, 4, context=32) == cost.full_s(1, 4) == pytest.approx(1.05)
+    assert cost.full_s(1, 4, context=1064) == pytest.approx(1.05 + 4 * 1000 * 1e-4)
+    assert cost.draft_s(1, frozenset(range(5)), 0, context=1064) == pytest.approx(0.9 + 0.5 * 1000 * 1e-4)
+    short_k, short_speed = cost.best_k(0.8, frozenset(range(5)))
+    long_k, long_speed = cost.best_k(0.8, frozenset(range(5)), context=4064)
+    assert long_speed < short_speed and long_k <= short_k
+    assert cost.to_json()["attention_us_per_row_column"] == pytest.approx(100)
+
+
+def test_the_attention_probe_runs_after_long_context_zero_columns() -> None:
+    """The probe that prices attention runs its forward after LONG_CONTEXT cached columns (zeros
+    past the prefilled ones, in buffers grown once); the next probe is back at the prefix."""
+    runner = FastLlamaRunner(tiny_qwen2())
+    timer = _Timer(runner, repeats=1, context=64)
+    timer.time(4, 4, frozenset(), None, context=LONG_CONTEXT)
+    cache = timer.caches[4]
+    assert cache.length == LONG_CONTEXT + 4 and cache.num_rows == 4
+    assert all(k is not None and k.shape[2] >= LONG_CONTEXT + 4 for k in cache.keys)
+    timer.time(4, 2, frozenset(), None)
+    assert cache.length == 64 + 2
+    timer.add(4, 4, context=LONG_CONTEXT)
+    assert len(timer.run()) == 1 and not timer.caches  # the grown buffers are let go
+    cost = CostModel.measure(runner, repeats=1, max_tokens=4)
+    assert cost.context == 64 and cost.num_layers == runner.num_layers and cost.attention_s >= 0.0
 
 
 def _state(request_id: int, ids: list[int], spec: SpecState | None) -> RequestState:

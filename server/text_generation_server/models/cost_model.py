@@ -14,6 +14,13 @@ Design note. Whether drafting pays is arithmetic on three measured costs:
   for every configuration the policy's rules name, and estimated for others from the measured
   per-layer and lm_head costs (a calibration, which measures dozens, fits them to a plane in
   layers bypassed and head rows: `fitted_drafts`);
+- attention past the measured context: the forwards above run after a `context`-token prefix
+  (64), where attention is a small part of a step; each query reads every cached column, so at
+  ~1250 cached tokens (summarisation) 4-row steps cost 1.03x their price and 4-row cycles
+  1.07-1.24x (0.5B float32). The seconds per activation row (rows x new tokens) per cached column
+  are measured as the difference of a 4-row x 4-token forward after LONG_CONTEXT columns and after
+  `context` columns, and every price adds them for the group's context (drafts for the layers
+  they keep);
 - with a per-draft acceptance a, a cycle of k drafts yields (1 - a^(k+1)) / (1 - a) tokens.
 Speed-up of a cycle = tokens x step(rows) / (k x draft(rows) + forward(rows, k + 1)).
 """
@@ -42,6 +49,9 @@ DRAFT_ROWS = (1, 4)
 # 1-4 tokens; another's 55, 101, 139, 155) made 1-token copies the best choice at batch 4 where
 # 3-token ones had paid: code editing 1.30x off instead of 1.59x.
 REPEATED_ROWS = 16
+# Cached columns of the forward that prices attention (the columns are zeros: attention's cost does
+# not depend on what they hold, and a prefill of 4 x 1024 tokens would cost seconds at warm-up).
+LONG_CONTEXT = 1024
 
 DraftKey = tuple[frozenset[int], int]  # (layers bypassed, head size; 0 = the full head)
 
@@ -95,6 +105,10 @@ class CostModel:
         drafts: measured draft forwards, (skip, head size) -> seconds at 1 and at 4 rows.
         batched: rows -> (new tokens per row, seconds) of full forwards of several rows; without
             it a forward of r rows of t tokens is priced as one row of r x t tokens.
+        context: cached columns before every measured forward.
+        attention_s: seconds per activation row (rows x new tokens) per cached column beyond
+            `context`, over all layers.
+        num_layers: the model's layers (a draft pays attention for the layers it keeps); 0: unknown.
     """
 
     tokens: tuple[int, ...]
@@ -105,6 +119,9 @@ class CostModel:
     drafts: dict[DraftKey, tuple[float, float]] = field(default_factory=dict)
     batched: dict[int, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
     draft_base_s: float = 0.0
+    context: int = 64
+    attention_s: float = 0.0
+    num_layers: int = 0
 
     @staticmethod
     def flat(step_s: float, verify_s: tuple[float, ...], layer_s: float) -> CostModel:
@@ -120,19 +137,31 @@ class CostModel:
         """Forwards of 1 .. MAX_DRAFT + 1 tokens at batch 1 (for logs and reports)."""
         return tuple(self.full_s(1, n) for n in range(1, MAX_DRAFT + 2))
 
-    def full_s(self, rows: int, tokens: int = 1) -> float:
-        """A full forward of `rows` rows of `tokens` new tokens each."""
+    def full_s(self, rows: int, tokens: int = 1, context: int = 0) -> float:
+        """A full forward of `rows` rows of `tokens` new tokens each after `context` cached columns
+        (priced at the measured context when fewer)."""
         if not self.batched:
-            return max(_interpolate(self.tokens, self.forward_s, rows * tokens), 1e-9)
-        row_counts = (1, *sorted(self.batched))
-        per_rows = tuple(_interpolate(*self._row_ladder(r), tokens) for r in row_counts)
-        return max(_interpolate(row_counts, per_rows, rows), 1e-9)
+            seconds = _interpolate(self.tokens, self.forward_s, rows * tokens)
+        else:
+            row_counts = (1, *sorted(self.batched))
+            per_rows = tuple(_interpolate(*self._row_ladder(r), tokens) for r in row_counts)
+            seconds = _interpolate(row_counts, per_rows, rows)
+        return max(seconds, 1e-9) + self.attention(rows * tokens, context)
+
+    def attention(self, activation_rows: int, context: int, layers_kept: float = 1.0) -> float:
+        """What attention over the columns past the measured context adds to a forward."""
+        return self.attention_s * activation_rows * max(context - self.context, 0) * layers_kept
 
     def _row_ladder(self, rows: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
         return (self.tokens, self.forward_s) if rows == 1 else self.batched[rows]
 
-    def draft_s(self, rows: int, skip: frozenset[int], vocab: int) -> float:
-        """One draft forward of `rows` rows with `skip` bypassed and a head of `vocab` rows."""
+    def draft_s(self, rows: int, skip: frozenset[int], vocab: int, context: int = 0) -> float:
+        """One draft forward of `rows` rows with `skip` bypassed and a head of `vocab` rows, after
+        `context` cached columns."""
+        kept = 1 - len(skip) / self.num_layers if self.num_layers else 1.0
+        return self._draft_s(rows, skip, vocab) + self.attention(rows, context, kept)
+
+    def _draft_s(self, rows: int, skip: frozenset[int], vocab: int) -> float:
         measured = self.drafts.get((skip, vocab))
         if measured is not None:
             one, four = measured
@@ -165,30 +194,31 @@ class CostModel:
         drafts = {key: (float(fits[0][i]), float(fits[1][i])) for i, key in enumerate(keys)}
         return replace(self, drafts=drafts)
 
-    def cycle_s(self, rows: int, num_drafts: int, draft: float, verify_tokens: int) -> float:
+    def cycle_s(self, rows: int, num_drafts: int, draft: float, verify_tokens: int, context: int = 0) -> float:
         """A cycle: `num_drafts` draft forwards of `draft` s, then verification of `verify_tokens` per row."""
-        return num_drafts * draft + self.full_s(rows, verify_tokens + 1)
+        return num_drafts * draft + self.full_s(rows, verify_tokens + 1, context)
 
     def speedup(self, k: int, acceptance: float, num_skipped: int | frozenset[int], vocab: int = 0,
-                rows: int = 1) -> float:
+                rows: int = 1, context: int = 0) -> float:
         """Expected tokens/s of k-draft cycles relative to plain decoding (one row's view)."""
         skip = num_skipped if isinstance(num_skipped, frozenset) else frozenset(range(num_skipped))
         if k == 0:
             return 1.0
-        cycle = self.cycle_s(rows, k, self.draft_s(rows, skip, vocab), k)
-        return tokens_per_cycle(acceptance, k) * self.full_s(rows) / cycle
+        cycle = self.cycle_s(rows, k, self.draft_s(rows, skip, vocab, context), k, context)
+        return tokens_per_cycle(acceptance, k) * self.full_s(rows, 1, context) / cycle
 
     def best_k(self, acceptance: float, num_skipped: int | frozenset[int], vocab: int = 0, rows: int = 1,
-               max_draft: int = MAX_DRAFT) -> tuple[int, float]:
+               max_draft: int = MAX_DRAFT, context: int = 0) -> tuple[int, float]:
         """The draft length in 1..max_draft with the highest expected speed-up, and that speed-up."""
-        speeds = {k: self.speedup(k, acceptance, num_skipped, vocab, rows) for k in range(1, max_draft + 1)}
+        speeds = {k: self.speedup(k, acceptance, num_skipped, vocab, rows, context) for k in range(1, max_draft + 1)}
         k = max(speeds, key=lambda key: speeds[key])
         return k, speeds[k]
 
     def best_free_k(self, acceptance: float, rows: int = 1, max_draft: int = MAX_DRAFT,
-                    min_gain: float = 1.0) -> tuple[int, float]:
+                    min_gain: float = 1.0, context: int = 0) -> tuple[int, float]:
         """Like best_k for drafts that cost nothing to make (n-gram): 0 when none beats min_gain."""
-        speeds = {k: tokens_per_cycle(acceptance, k) * self.full_s(rows) / self.full_s(rows, k + 1)
+        step = self.full_s(rows, 1, context)
+        speeds = {k: tokens_per_cycle(acceptance, k) * step / self.full_s(rows, k + 1, context)
                   for k in range(1, max_draft + 1)}
         k = max(speeds, key=lambda key: speeds[key])
         return (k, speeds[k]) if speeds[k] > min_gain else (0, 1.0)
@@ -199,7 +229,8 @@ class CostModel:
                 "verify_over_step": [s / self.step_s for s in self.verify_s],
                 "batched_ms": {str(rows): {str(t): s * 1000 for t, s in zip(*ladder, strict=True)}
                                for rows, ladder in self.batched.items()},
-                "layer_ms": self.layer_s * 1000, "head_ms": self.head_s * 1000,
+                "layer_ms": self.layer_s * 1000, "head_ms": self.head_s * 1000, "context": self.context,
+                "attention_us_per_row_column": self.attention_s * 1e6,
                 "draft_base_ms": (self.draft_base_s or self.step_s) * 1000,
                 "drafts": [{"skip": sorted(skip), "vocab": vocab, "ms_1_row": one * 1000, "ms_4_rows": four * 1000,
                             "draft_over_step": one / self.step_s}
@@ -216,6 +247,8 @@ class CostModel:
         ladder = tuple(t for t in TOKEN_LADDER if t <= max_tokens) or (1, 2)
         forward = [timer.add(1, t) for t in ladder]
         batched = {rows: [timer.add(rows, t) for t in BATCH_TOKENS] for rows in BATCH_ROWS}
+        long_shape = (BATCH_ROWS[-1], 4)  # rows, new tokens: a batch-4 verification of 3 drafts
+        long = timer.add(*long_shape, context=LONG_CONTEXT) if context < LONG_CONTEXT else None
         # The middle half of the layers, as drafts skip them: int8 draft layers cost what their
         # activations make them cost (LLM.int8()'s outlier columns), and on the 0.5B a draft
         # bypassing every odd layer took 33 ms, one bypassing 0-11 42 ms, none 27, 12-23 12.
@@ -235,18 +268,23 @@ class CostModel:
         layer_s = max(seconds[draft_base] - seconds[without_half], 0.0) / max(len(half), 1)
         head_s = max(step - seconds[tiny_head], 0.0) if tiny_head is not None else 0.0
         vocab_size = int(lm_head.shape[0]) if isinstance(lm_head, torch.Tensor) else runner.vocab_size
+        attention_s = 0.0
+        if long is not None:
+            rows, new = long_shape
+            short = seconds[batched[rows][BATCH_TOKENS.index(new)]]
+            attention_s = max(seconds[long] - short, 0.0) / (rows * new * (LONG_CONTEXT - context))
         return cls(ladder, monotone(seconds[p] for p in forward), layer_s, head_s, vocab_size,
                    {key: (seconds[one], seconds[four]) for key, (one, four) in drafts.items()},
                    {rows: (BATCH_TOKENS, monotone(seconds[p] for p in probes)) for rows, probes in batched.items()},
-                   seconds[draft_base])
+                   seconds[draft_base], context, attention_s, layers)
 
 
 class _Timer:
-    """Forwards of `new` tokens per row after a `context`-token prefix, added as probes and timed in
-    rounds: each probe once per round (forwards of more than REPEATED_ROWS activation rows, beyond
-    the kernels' few-row path, only set the slope and run in the first round only), each right
-    after a plain one-token step. A probe's figure is the median over rounds of its time over
-    that step's, times the median step: what drafting weighs
+    """Forwards of `new` tokens per row after a `context`-token prefix (or a probe's own), added as
+    probes and timed in rounds: each probe once per round (forwards of more than REPEATED_ROWS
+    activation rows, beyond the kernels' few-row path, only set the slope and run in the first
+    round only), each right after a plain one-token step. A probe's figure is the median over
+    rounds of its time over that step's, times the median step: what drafting weighs
     is the ratio, and on a shared machine the step itself drifts by 30% within seconds (four
     0.5B measurements in a row: steps of 51-70 ms, and verify(2)/step from medians alone 1.0,
     1.0, 1.2, 1.0; one serving process took the 1.2, judged every draft too costly and never
@@ -255,22 +293,24 @@ class _Timer:
     def __init__(self, runner: Runner, repeats: int, context: int) -> None:
         self.runner, self.repeats, self.context = runner, repeats, context
         self.caches: dict[int, KVCache] = {}  # one prefilled context per row count (a prefill is costly)
-        self.probes: list[tuple[int, int, frozenset[int], torch.Tensor | None, bool]] = []
+        self.probes: list[tuple[int, int, frozenset[int], torch.Tensor | None, bool, int]] = []
 
     def add(self, rows: int, new: int, skip: frozenset[int] = frozenset(), head: torch.Tensor | None = None,
-            draft: bool = False) -> int:
-        """A probe; `draft`: a draft forward (Runner.forward's draft weights)."""
-        self.probes.append((rows, new, skip, head, draft))
+            draft: bool = False, context: int = 0) -> int:
+        """A probe; `draft`: a draft forward (Runner.forward's draft weights); `context`: cached
+        columns before it, when more than the timer's (zeros past the prefilled ones)."""
+        self.probes.append((rows, new, skip, head, draft, max(context, self.context)))
         return len(self.probes) - 1
 
     def run(self) -> list[float]:
         ratios: list[list[float]] = [[] for _ in self.probes]
         steps: list[float] = []
         for round_ in range(self.repeats):
-            for probe, (rows, new, skip, head, draft) in enumerate(self.probes):
+            for probe, (rows, new, skip, head, draft, context) in enumerate(self.probes):
                 if round_ == 0 or rows * new <= REPEATED_ROWS:
                     steps.append(self.time(1, 1, frozenset(), None))
-                    ratios[probe].append(self.time(rows, new, skip, head, draft) / steps[-1])
+                    ratios[probe].append(self.time(rows, new, skip, head, draft, context) / steps[-1])
+        self.caches.clear()
         step = statistics.median(steps)
         return [statistics.median(values) * step for values in ratios]
 
@@ -284,10 +324,16 @@ class _Timer:
             self.runner.forward(ids, torch.arange(context).repeat(rows, 1), mask, cache)
         return cache
 
-    def time(self, rows: int, new: int, skip: frozenset[int], head: torch.Tensor | None, draft: bool = False) -> float:
-        runner, context = self.runner, self.context
+    def time(self, rows: int, new: int, skip: frozenset[int], head: torch.Tensor | None, draft: bool = False,
+             context: int = 0) -> float:
+        runner, context = self.runner, max(context, self.context)
         cache = self._cache(rows)
-        cache.crop(context)
+        cache.crop(self.context)
+        if context > self.context:  # zero columns up to `context`, in buffers grown once
+            for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
+                if k is not None and v is not None:
+                    cache.buffers(i, (k.shape[0], k.shape[1], k.shape[3]), k.dtype, context + new)
+            cache.advance(context - self.context)
         start = time.perf_counter()
         runner.forward(torch.zeros((rows, new), dtype=torch.long), torch.arange(context, context + new).repeat(rows, 1),
                        torch.ones((rows, context + new), dtype=torch.long), cache, last_only=False, skip_layers=skip,

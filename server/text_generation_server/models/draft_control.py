@@ -178,23 +178,24 @@ class DraftController:
         layers share one draft forward: it bypasses the layers all of them bypass (fewer layers
         bypassed never lowers a draft's acceptance, only raises its cost)."""
         cost, rows = self.costs(), len(states)
-        ngram = [self._ngram(s, cost, rows) for s in states]
+        context = max(len(s.all_ids) for s in states)  # the group's cached columns (rows left-padded)
+        ngram = [self._ngram(s, cost, rows, context) for s in states]
         wants = [s.spec is not None and s.spec.model_drafting and not ng for s, ng in zip(states, ngram, strict=True)]
         drafting = [s.spec.skip for s, w in zip(states, wants, strict=True) if w and s.spec is not None]
         draft_skip = frozenset.intersection(*drafting) if drafting else frozenset()
         model_rows = [w and bool(draft_skip) for w in wants]
         if not any(model_rows):
-            return self._watch(self._worth_it(CyclePlan(ngram, 0, model_rows), states, cost), states)
+            return self._watch(self._worth_it(CyclePlan(ngram, 0, model_rows), states, cost, context), states)
         vocab = max((s.spec.vocab for s, m in zip(states, model_rows, strict=True) if m and s.spec), default=0)
         if any(s.spec.vocab == 0 for s, m in zip(states, model_rows, strict=True) if m and s.spec):
             vocab = 0  # a row asking for the full head gets it (a larger head is never less exact)
-        draft = cost.draft_s(rows, draft_skip, vocab)
+        draft = cost.draft_s(rows, draft_skip, vocab, context)
         longest_copy = max((len(ng) for ng in ngram), default=0)
 
         def rate(k: int) -> float:
             tokens = sum(self._expected(s, ng, k if m else 0)
                          for s, ng, m in zip(states, ngram, model_rows, strict=True))
-            return tokens / cost.cycle_s(rows, k, draft, max(k, longest_copy))
+            return tokens / cost.cycle_s(rows, k, draft, max(k, longest_copy), context)
 
         best = max(range(1, self.max_draft + 1), key=rate)
         bar = MIN_GAIN if rows == 1 else MIN_GAIN_ROWS.get(self.dtype, MIN_GAIN_ROWS_OTHER)
@@ -204,15 +205,15 @@ class DraftController:
             if not (learning and rate(best) >= LEARN_FLOOR * rate(0)):
                 best = 0
         plan = CyclePlan(ngram, best, model_rows, vocab, draft_skip)
-        return self._watch(self._worth_it(plan, states, cost), states)
+        return self._watch(self._worth_it(plan, states, cost, context), states)
 
-    def _ngram(self, state: RequestState, cost: CostModel, rows: int) -> list[int]:
+    def _ngram(self, state: RequestState, cost: CostModel, rows: int, context: int) -> list[int]:
         """The row's copied drafts: as many as pay at this batch's size (force: the most allowed)."""
         spec = state.spec
         if spec is None or not self.ngram:
             return []
         k = self.max_draft if self.force else cost.best_free_k(copy_acceptance(spec), rows, self.max_draft,
-                                                               MIN_GAIN)[0]
+                                                               MIN_GAIN, context)[0]
         return spec.index.lookup(state.all_ids, k)
 
     def _watch(self, plan: CyclePlan, states: list[RequestState]) -> CyclePlan:
@@ -252,7 +253,7 @@ class DraftController:
             return tokens_per_cycle(copy_acceptance(spec), len(copied))
         return tokens_per_cycle(self.acceptance(spec), model_k) if model_k else 1.0
 
-    def _worth_it(self, plan: CyclePlan, states: list[RequestState], cost: CostModel) -> CyclePlan:
+    def _worth_it(self, plan: CyclePlan, states: list[RequestState], cost: CostModel, context: int) -> CyclePlan:
         """Drop copied drafts when the cycle they cost is slower than a plain step (batch effects)."""
         if self.force or not any(plan.ngram) or plan.model_k:
             return plan
@@ -263,7 +264,7 @@ class DraftController:
         # left, 0.69x off), so a copying cycle must pay for its least-served row.
         tokens = rows * min(self._expected(s, ng, 0) for s, ng in zip(states, plan.ngram, strict=True))
         longest = max(len(ng) for ng in plan.ngram)
-        if tokens / cost.full_s(rows, longest + 1) > MIN_GAIN * rows / cost.full_s(rows):
+        if tokens / cost.full_s(rows, longest + 1, context) > MIN_GAIN * rows / cost.full_s(rows, 1, context):
             return plan
         return CyclePlan([[] for _ in states], 0, plan.model_rows)
 
@@ -282,7 +283,8 @@ class DraftController:
         self._judge_rule(spec.rule, rule, spec)
         if self.force or spec.model.cycles < MIN_CYCLES_BEFORE_AUTO_OFF:
             return False
-        _, speedup = self.costs().best_k(self.acceptance(spec), spec.skip, spec.vocab, 1, self.max_draft)
+        _, speedup = self.costs().best_k(self.acceptance(spec), spec.skip, spec.vocab, 1, self.max_draft,
+                                         len(state.all_ids))
         return speedup < 1.0
 
     def _judge_rule(self, name: str, rule: RuleRecord, spec: SpecState) -> None:
