@@ -25,6 +25,7 @@ from .cost_model import CostModel, DraftKey
 from .draft_control import DraftController, SpeculateConfig
 from .draft_head import DraftHeads
 from .group_step import GroupStep, PlainStep, RowStep, VerifiedStep
+from .loading import dtype_name
 from .plan_groups import GroupKey
 from .runner.base import Runner
 from .skip_planner import PolicyState, SkipPlanner
@@ -105,7 +106,7 @@ class CausalLM:
         self.speculation = speculation or SpeculateConfig()
         self.cost_model: CostModel | None = None
         self.controller = DraftController(self.costs, self.speculation.max_draft, ngram=True,
-                                          dtype=str(runner.dtype).removeprefix("torch."))
+                                          dtype=dtype_name(runner.dtype))
         policy = planner.scheduler.policy
         self.heads = DraftHeads(policy.draft_vocab, getattr(runner, "lm_head", None))
         for rule in (*policy.table.rules, policy.table.default):

@@ -22,6 +22,11 @@ UPSTREAM_QUANTIZE = ("gptq", "awq", "compressed-tensors", "eetq", "exl2", "fp8",
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name `--dtype` and the kernels' weight kinds use for a torch dtype ("bfloat16")."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     """How to load a model.

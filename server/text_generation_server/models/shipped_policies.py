@@ -20,6 +20,7 @@ from torch import nn
 
 from ..env import process_env
 from ..layerskip import IdentityMap, align_policy, read_policy
+from .loading import dtype_name
 
 AUTO = "auto"
 
@@ -40,7 +41,7 @@ def find_shipped_policy(model: nn.Module, folder: Path | None = None) -> Path | 
     """The policy in `folder` (default: policy_dir()) that aligns to `model`, calibrated in its
     dtype where one is, or None."""
     folder = folder or policy_dir()
-    served = str(cast(Any, model).get_input_embeddings().weight.dtype).removeprefix("torch.")
+    served = dtype_name(cast(Any, model).get_input_embeddings().weight.dtype)
     identities: dict[str, IdentityMap] = {}
     fits: list[Path] = []
     for path in candidates(folder):

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from loguru import logger
 
+from ..loading import dtype_name
 from .cpu_kernels import CpuOps, Projection
 from .fast_weights import LayerWeights
 
@@ -101,12 +102,10 @@ def weight_kind(layer: LayerWeights, dtype: torch.dtype) -> str:
     """The kernels' weight kind of a layer (kernel_choice.KINDS): its dtype when dense, else the
     bitsandbytes format."""
     qkv = layer.pre[1]
-    if isinstance(qkv, torch.Tensor):
-        return str(dtype).removeprefix("torch.")
-    kinds = {type(m).__name__ for m in qkv or ()}
+    kinds = set() if isinstance(qkv, torch.Tensor) else {type(m).__name__ for m in qkv or ()}
     if kinds == {BNB_4BIT}:
         return "4bit-bfloat16" if dtype == torch.bfloat16 else "4bit"
-    return "int8" if kinds == {BNB_8BIT} else str(dtype).removeprefix("torch.")
+    return "int8" if kinds == {BNB_8BIT} else dtype_name(dtype)
 
 
 def to_projection(ops: CpuOps, weight: Any, bias: torch.Tensor | None, dtype: torch.dtype,
