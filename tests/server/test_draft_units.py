@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from text_generation_server.layerskip import DraftSettings, DraftVocab, IdentityMap, Policy, Rule, RuleTable
 from text_generation_server.layerskip.policy import read_policy, save_policy
+from text_generation_server.layerskip_cli.prompts import Prompt
+from text_generation_server.layerskip_cli.verified import PromptRun, score
 from text_generation_server.models.batch import RequestState
 from text_generation_server.models.cost_model import LONG_CONTEXT, CostModel, _Timer, monotone, tokens_per_cycle
 from text_generation_server.models.draft_control import (
@@ -174,6 +176,21 @@ def test_attention_past_the_measured_context_is_priced_per_row_and_column() -> N
     long_k, long_speed = cost.best_k(0.8, frozenset(range(5)), context=4064)
     assert long_speed < short_speed and long_k <= short_k
     assert cost.to_json()["attention_us_per_row_column"] == pytest.approx(100)
+
+
+def test_calibration_prices_each_prompt_at_its_context() -> None:
+    """The calibration's speed-up of a configuration is priced at the prompt's context: the same
+    acceptance is worth less on a long prompt, whose verifications read more cached columns."""
+    cost = CostModel((1, 2, 4, 8), (1.0, 1.02, 1.05, 1.1), layer_s=0.02, num_layers=10, attention_s=1e-4)
+    candidates = [torch.tensor([[5], [6], [7], [9]])]  # top-1 drafts at four positions: 3 of 4 right
+
+    def run(context: int) -> PromptRun:
+        return PromptRun(Prompt("p", "chat", "", None, "x"), {}, [4, 5, 6, 7, 8], candidates, context=context)
+
+    scored = score([run(100), run(2100)], [frozenset(range(5))], [0], DraftVocab((1, 2)), cost)
+    assert scored.acceptance[(0, 0)] == [0.75, 0.75]
+    short, long = scored.speed[(0, 0)]
+    assert short == pytest.approx(cost.best_k(0.75, frozenset(range(5)), context=100)[1]) and long < short
 
 
 def test_the_attention_probe_runs_after_long_context_zero_columns() -> None:

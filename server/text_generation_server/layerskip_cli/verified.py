@@ -68,6 +68,7 @@ class PromptRun:
     ngram_hits: int = 0
     ngram_drafted: int = 0
     ngram_cycles: int = 0
+    context: int = 0  # cached tokens halfway through the continuation (the cost model prices attention by it)
 
     def acceptance(self, skip_index: int, head_ids: set[int] | None) -> float:
         """Share of positions whose draft (head restricted to `head_ids`) equals the next token."""
@@ -102,7 +103,8 @@ def run_prompt(engine: Engine, prompt: Prompt, skip_sets: Sequence[frozenset[int
         logits = runner.forward(token, position, mask, cache)[0, -1]
         tokens.append(int(logits.argmax()))
     run = PromptRun(prompt, detect(engine.embed(ids), engine_detector()).as_dict(), tokens,
-                    [torch.stack(c) if c else torch.zeros((0, TOP), dtype=torch.long) for c in per_set])
+                    [torch.stack(c) if c else torch.zeros((0, TOP), dtype=torch.long) for c in per_set],
+                    context=n + len(tokens) // 2)
     _score_ngrams(run, ids.tolist())
     return run
 
@@ -161,8 +163,9 @@ class Scored:
 
 def score(runs: list[PromptRun], skip_sets: Sequence[frozenset[int]], sizes: Sequence[int],
           vocabs: DraftVocab | Sequence[DraftVocab], cost: CostModel) -> Scored:
-    """Acceptance and best speed-up per prompt and configuration. `vocabs`: one ranking for every
-    prompt (held-out prompts: ranked on the calibration split), or one per prompt (cross_fitted)."""
+    """Acceptance and best speed-up (priced at the prompt's context) per prompt and configuration.
+    `vocabs`: one ranking for every prompt (held-out prompts: ranked on the calibration split), or
+    one per prompt (cross_fitted)."""
     acceptance: dict[Config, list[float]] = {}
     speed: dict[Config, list[float]] = {}
     per_run = [vocabs] * len(runs) if isinstance(vocabs, DraftVocab) else list(vocabs)
@@ -171,7 +174,8 @@ def score(runs: list[PromptRun], skip_sets: Sequence[frozenset[int]], sizes: Seq
             values = [r.acceptance(i, None if size == 0 else set(v.token_ids[:size]))
                       for r, v in zip(runs, per_run, strict=True)]
             acceptance[(i, size)] = values
-            speed[(i, size)] = [cost.best_k(a, skip, size)[1] for a in values]
+            speed[(i, size)] = [cost.best_k(a, skip, size, context=r.context)[1]
+                                for a, r in zip(values, runs, strict=True)]
     return Scored(acceptance, speed)
 
 
