@@ -214,9 +214,10 @@ class DraftController:
         spec = state.spec
         if spec is None or not self.ngram:
             return []
-        k = self.max_draft if self.force else cost.best_free_k(copy_acceptance(spec), rows, self.max_draft,
-                                                               MIN_GAIN, context)[0]
-        return spec.index.lookup(state.all_ids, k)
+        copies = spec.index.lookup(state.all_ids, self.max_draft)
+        if not copies or self.force:
+            return copies
+        return copies[:cost.best_free_k(copy_acceptance(spec), rows, self.max_draft, MIN_GAIN, context)[0]]
 
     def _watch(self, plan: CyclePlan, states: list[RequestState]) -> CyclePlan:
         """Rows that draft copies drop their pending watch (the drafted cycle counts those tokens);
