@@ -15,12 +15,12 @@ Design note. Whether drafting pays is arithmetic on three measured costs:
   per-layer and lm_head costs (a calibration, which measures dozens, fits them to a plane in
   layers bypassed and head rows: `fitted_drafts`);
 - attention past the measured context: the forwards above run after a `context`-token prefix
-  (64), where attention is a small part of a step; each query reads every cached column, so at
-  ~1250 cached tokens (summarisation) 4-row steps cost 1.03x their price and 4-row cycles
-  1.07-1.24x (0.5B float32). The seconds per activation row (rows x new tokens) per cached column
-  are measured as the difference of a 4-row x 4-token forward after LONG_CONTEXT columns and after
-  `context` columns, and every price adds them for the group's context (drafts for the layers
-  they keep);
+  (64), where attention is a small part of a step; each query reads every cached column, and
+  priced at 64 columns alone 4-row cycles at ~1250 cached tokens (summarisation) cost 1.07-1.24x
+  their price (0.5B float32; with this term 0.99-1.04x). The seconds per activation row (rows x
+  new tokens) per cached column are the difference of a 4-row x 4-token forward after
+  LONG_CONTEXT columns and after `context` columns, and every price adds them for the group's
+  context (drafts for the layers they keep);
 - with a per-draft acceptance a, a cycle of k drafts yields (1 - a^(k+1)) / (1 - a) tokens.
 Speed-up of a cycle = tokens x step(rows) / (k x draft(rows) + forward(rows, k + 1)).
 """
