@@ -66,6 +66,22 @@ def test_matches_float64_products(ops: cpu_kernels.CpuOps, dtype: torch.dtype, n
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_product_does_not_depend_on_the_other_rows(ops: cpu_kernels.CpuOps, dtype: torch.dtype) -> None:
+    """Every x row's output is bit for bit its product alone, at 1-16 rows: the tile shapes that
+    m picks (4 x 4 tiles, pairs of weight rows, AVX2's tall tiles) sum each output in one order.
+    Verified mode relies on it: a (k+1)-token verification computes what k + 1 steps would."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(37, 600, generator=generator).to(dtype)  # 9 blocks of 4 rows and a single row
+    bias = torch.randn(37, generator=generator).to(dtype)
+    x = torch.randn(cpu_kernels.MAX_ROWS, 600, generator=generator).to(dtype)
+    alone = torch.cat([ops.small_m_linear(x[j : j + 1], weight, bias) for j in range(len(x))])
+    for rows in range(2, cpu_kernels.MAX_ROWS + 1):
+        out = ops.small_m_linear(x[:rows], weight, bias)
+        assert torch.equal(out, alone[:rows]), f"{ops.variant} {dtype}: {rows} rows differ from one at a time"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_projection_beyond_16_rows(ops: cpu_kernels.CpuOps, dtype: torch.dtype) -> None:
     """Prefill-sized x: fp32 up to 64 rows in chunks of at most 16 on the kernels (each chunk
     equal to the product of those rows alone), more rows and bf16 on torch's GEMM."""

@@ -21,6 +21,7 @@ struct Int8Weights {
   static constexpr int64_t kChunk = 2 * simd::kLanes;
   static constexpr int kMaxTile = 4;  // AVX-512: 4 x 4 sums + 8 weight vectors (AVX2: kTileLimit, 2)
   static constexpr int kTallTile = 5;  // AVX2, pairs of weight rows: 10 sums + 4 weights + x
+  static constexpr int kWideTile = 0;  // blocks::wide_rows: x rows in fp32, as F32Weights
   struct Vals { F lo, hi; };
   const int8_t* w;
   const float* scales;  // one per block
