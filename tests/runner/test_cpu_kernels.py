@@ -222,6 +222,29 @@ def test_attention_blocks_and_tails(ops: cpu_kernels.CpuOps, dtype: torch.dtype)
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_querys_attention_does_not_depend_on_masked_columns_after_it(ops: cpu_kernels.CpuOps,
+                                                                       dtype: torch.dtype) -> None:
+    """A one-token step sees `seen` columns; the same query inside a verification forward sees
+    more, the later ones masked (causal order). Bit for bit the same output, for every column
+    count around the vector widths (8 and 16 lanes): verified mode's greedy identity rests on it."""
+    generator = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, total = 14, 2, 64, 53
+    keys = torch.randn(1, kv_heads, total, dim, generator=generator).to(dtype)
+    values = torch.randn(1, kv_heads, total, dim, generator=generator).to(dtype)
+    q = torch.randn(1, 1, heads, dim, generator=generator).to(dtype)
+    for seen in range(1, total):
+        alone = ops.decode_attention(q, keys[:, :, :seen], values[:, :, :seen],
+                                     torch.zeros(1, 1, 1, seen, dtype=dtype), dim**-0.5)
+        mask = torch.zeros(1, 1, 1, total, dtype=dtype)
+        mask[..., seen:] = torch.finfo(dtype).min
+        for more in (1, 7, 16, total - seen):
+            width = min(seen + more, total)
+            out = ops.decode_attention(q, keys[:, :, :width], values[:, :, :width], mask[..., :width], dim**-0.5)
+            assert torch.equal(out, alone), f"{ops.variant} {dtype}: {seen} columns seen of {width}"
+
+
+@needs_kernel
 def test_runs_on_torchs_openmp_runtime(ops: cpu_kernels.CpuOps) -> None:
     """A second libgomp would bring a second thread team spinning on the same cores."""
     ops.small_m_linear(torch.randn(1, 64), torch.randn(256, 64), None)

@@ -133,6 +133,28 @@ def test_multi_token_forwards_match_transformers(model: PreTrainedModel, prompts
         drafts = ref_logits.argmax(-1)  # the model's own next tokens: accepted drafts
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verification_forward_equals_its_one_token_steps(model: PreTrainedModel, prompts: list[list[int]],
+                                                           dtype: torch.dtype) -> None:
+    """On the kernels verified mode's greedy identity is exact, not near: the logits of a k-token
+    forward are bit for bit those of k one-token steps over the same tokens (products whose rows
+    do not depend on one another, attention whose sums do not depend on the masked columns
+    after a query), two left-padded rows, k up to the kernels' 16 activation rows."""
+    if cpu_kernels.unavailable_reason() is not None:
+        pytest.skip(f"the kernels are unavailable: {cpu_kernels.unavailable_reason()}")
+    runner = FastLlamaRunner(model, FastRunnerConfig(dtype=dtype))
+    # 30 and 10 tokens: the k-token forwards reach past 32 columns, the steps before them do not
+    rows = [prompts[0] + prompts[1] + prompts[2] + prompts[0] + prompts[3], prompts[3] + prompts[1]]
+    stream, logits = Stream.prefill(runner, rows)
+    tokens, stepped = logits[:, -1].argmax(-1)[:, None], []
+    for _ in range(8):
+        stepped.append(stream.step(tokens[:, -1]))
+        tokens = torch.cat([tokens, stepped[-1].argmax(-1)[:, None]], dim=1)
+    for k in (2, 3, 5, 8):
+        verified, _ = Stream.prefill(runner, rows)
+        assert torch.equal(_verify(verified, tokens[:, :k]), torch.stack(stepped[:k], dim=1)), f"{dtype}, k={k}"
+
+
 def test_forced_avx2_variant_matches_transformers(model: PreTrainedModel, prompts: list[list[int]]) -> None:
     """TGI_CPU_KERNELS=avx2 runs the AVX2 variant on any CPU that has it (AVX-512 ones too)."""
     if cpu_kernels.BY_NAME["avx2"] not in cpu_kernels.runnable_variants():

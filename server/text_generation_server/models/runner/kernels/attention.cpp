@@ -76,37 +76,47 @@ inline void dot4(const float* query, const float* const (&key)[4], int64_t dim, 
     for (int c = 0; c < 4; ++c) out[c] += query[i] * key[c][i];
 }
 
-// scores[t] = scores[t] * scale + mask[t], then e^(score - max) in place; returns their sum.
+// scores[t] = scores[t] * scale + mask[t], then e^(score - max) in place; returns their sum. Every
+// column takes the vector path (the last, short group through a copy padded with -inf, whose
+// lanes add e^-inf = 0) and column t always sums into lane t % kLanes, so a query's sum does not
+// depend on how many masked columns follow its own: a verification forward of k + 1 tokens gives
+// each query what a one-token step gives it, bit for bit. (A scalar tail summed the last
+// total % kLanes columns apart, with unfused arithmetic and std::exp: the 0.5B's logits then
+// moved by up to 0.19 in bf16 once a forward's columns reached the next multiple of kLanes, and
+// a verified greedy decode left off's tokens at a near-tie.)
 template <typename T>
 float softmax_numerators(float* scores, const T* mask, int64_t total, float scale) {
+  const int64_t whole = total / simd::kLanes * simd::kLanes, rest = total - whole;
+  alignas(64) float tail[simd::kLanes], tail_mask[simd::kLanes];
+  for (int64_t u = 0; u < simd::kLanes; ++u) {
+    tail[u] = u < rest ? scores[whole + u] : 0.0f;
+    tail_mask[u] = u < rest ? as_float(mask[whole + u]) : -std::numeric_limits<float>::infinity();
+  }
   const simd::F factor = simd::set1(scale);
   simd::F top = simd::set1(-std::numeric_limits<float>::infinity());
-  int64_t t = 0;
-  for (; t + simd::kLanes <= total; t += simd::kLanes) {
+  for (int64_t t = 0; t < whole; t += simd::kLanes) {
     const simd::F s = simd::fmadd(simd::load(scores + t), factor, load(mask + t));
     simd::store(scores + t, s);
     top = simd::max_(top, s);
   }
+  const simd::F last = simd::fmadd(simd::load(tail), factor, simd::load(tail_mask));
+  top = simd::max_(top, last);
   alignas(64) float lanes[simd::kLanes];
   simd::store(lanes, top);
-  float best = *std::max_element(lanes, lanes + simd::kLanes);
-  for (int64_t u = t; u < total; ++u) {
-    scores[u] = scores[u] * scale + as_float(mask[u]);
-    best = std::max(best, scores[u]);
-  }
-  const simd::F shift = simd::set1(best);
+  const simd::F shift = simd::set1(*std::max_element(lanes, lanes + simd::kLanes));
   simd::F sums = simd::zero();
-  for (t = 0; t + simd::kLanes <= total; t += simd::kLanes) {
+  for (int64_t t = 0; t < whole; t += simd::kLanes) {
     const simd::F e = simd::exp(simd::sub(simd::load(scores + t), shift));
     simd::store(scores + t, e);
     sums = simd::add(sums, e);
   }
-  float sum = simd::hsum(sums);
-  for (; t < total; ++t) {
-    scores[t] = std::exp(scores[t] - best);
-    sum += scores[t];
+  if (rest) {
+    const simd::F e = simd::exp(simd::sub(last, shift));
+    sums = simd::add(sums, e);
+    simd::store(tail, e);
+    std::copy(tail, tail + rest, scores + whole);
   }
-  return sum;
+  return simd::hsum(sums);
 }
 
 // acc[q][offset .. offset + S vectors] = sum over columns t of weights[q][t] * values[t][...] for
