@@ -223,25 +223,31 @@ def test_attention_blocks_and_tails(ops: cpu_kernels.CpuOps, dtype: torch.dtype)
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_querys_attention_does_not_depend_on_masked_columns_after_it(ops: cpu_kernels.CpuOps,
-                                                                       dtype: torch.dtype) -> None:
-    """A one-token step sees `seen` columns; the same query inside a verification forward sees
-    more, the later ones masked (causal order). Bit for bit the same output, for every column
-    count around the vector widths (8 and 16 lanes): verified mode's greedy identity rests on it."""
+def test_a_querys_attention_does_not_depend_on_masked_columns(ops: cpu_kernels.CpuOps, dtype: torch.dtype) -> None:
+    """A query's real columns may lie among masked ones: left padding, the columns of a row's
+    rejected drafts (masked in place), the later queries of a verification forward. Its output is
+    bit for bit that of its real columns alone, for counts around the vector widths (8 and 16
+    lanes): verified mode's greedy identity, and a request's independence of its batch, rest on it."""
     generator = torch.Generator().manual_seed(11)
-    heads, kv_heads, dim, total = 14, 2, 64, 53
-    keys = torch.randn(1, kv_heads, total, dim, generator=generator).to(dtype)
-    values = torch.randn(1, kv_heads, total, dim, generator=generator).to(dtype)
+    heads, kv_heads, dim, most = 14, 2, 64, 40
+    keys = torch.randn(1, kv_heads, most, dim, generator=generator).to(dtype)
+    values = torch.randn(1, kv_heads, most, dim, generator=generator).to(dtype)
     q = torch.randn(1, 1, heads, dim, generator=generator).to(dtype)
-    for seen in range(1, total):
+    for seen in range(1, most + 1):
         alone = ops.decode_attention(q, keys[:, :, :seen], values[:, :, :seen],
                                      torch.zeros(1, 1, 1, seen, dtype=dtype), dim**-0.5)
-        mask = torch.zeros(1, 1, 1, total, dtype=dtype)
-        mask[..., seen:] = torch.finfo(dtype).min
-        for more in (1, 7, 16, total - seen):
-            width = min(seen + more, total)
-            out = ops.decode_attention(q, keys[:, :, :width], values[:, :, :width], mask[..., :width], dim**-0.5)
-            assert torch.equal(out, alone), f"{ops.variant} {dtype}: {seen} columns seen of {width}"
+        for before, between, after in ((0, 0, 1), (0, 0, 16), (3, 0, 0), (5, 2, 7), (16, 1, 0), (1, 9, 13)):
+            middle = seen // 2  # `between` masked columns after the first `middle` real ones
+            real = torch.tensor([before + j + (between if j >= middle else 0) for j in range(seen)])
+            width = before + seen + between + after
+            wide_keys = torch.randn(1, kv_heads, width, dim, generator=generator).to(dtype)
+            wide_values = torch.randn(1, kv_heads, width, dim, generator=generator).to(dtype)
+            wide_keys[:, :, real], wide_values[:, :, real] = keys[:, :, :seen], values[:, :, :seen]
+            mask = torch.full((1, 1, 1, width), torch.finfo(dtype).min, dtype=dtype)
+            mask[..., real] = 0
+            out = ops.decode_attention(q, wide_keys, wide_values, mask, dim**-0.5)
+            assert torch.equal(out, alone), f"{ops.variant} {dtype}: {seen} real columns, {before} / {between} / " \
+                                            f"{after} masked before / between / after"
 
 
 @needs_kernel

@@ -14,7 +14,13 @@
 // cached tokens took 1.7-2.1 ms per layer (now 0.8), 42-49 ms of a 4-row verification. Each
 // query's arithmetic does not depend on its block (fp32 scores, a max-subtracted softmax and fp32
 // sums, as SDPA's CPU kernel accumulates; values accumulated column by column), so a query's
-// result is the same whatever else the forward carries. Masked entries hold the dtype's minimum,
+// result is the same whatever else the forward carries; and its sums run over the columns in
+// order, where a masked column adds exactly 0, so it is also the same wherever masked columns lie
+// (left padding, a rejected draft's columns, the queries after it in a verification): a k-token
+// verification computes what k one-token steps compute, bit for bit, in any batch. (Before, the
+// softmax sum ran in vector lanes by column position with a scalar tail: once a forward's columns
+// crossed a multiple of the vector width the 0.5B's logits moved by up to 0.19 in bf16, and a
+// verified bf16 greedy decode left off's tokens at a near-tie.) Masked entries hold the dtype's minimum,
 // never -inf, so a padding query (which sees no key) gets a uniform softmax instead of NaNs.
 #include <ATen/Parallel.h>
 
@@ -76,16 +82,12 @@ inline void dot4(const float* query, const float* const (&key)[4], int64_t dim, 
     for (int c = 0; c < 4; ++c) out[c] += query[i] * key[c][i];
 }
 
-// scores[t] = scores[t] * scale + mask[t], then e^(score - max) in place; returns their sum. Every
-// column takes the vector path (the last, short group through a copy padded with -inf, whose
-// lanes add e^-inf = 0) and column t always sums into lane t % kLanes, so a query's sum does not
-// depend on how many masked columns follow its own: a verification forward of k + 1 tokens gives
-// each query what a one-token step gives it, bit for bit. (A scalar tail summed the last
-// total % kLanes columns apart, with unfused arithmetic and std::exp: the 0.5B's logits then
-// moved by up to 0.19 in bf16 once a forward's columns reached the next multiple of kLanes, and
-// a verified greedy decode left off's tokens at a near-tie.)
+// scores[t] = scores[t] * scale + mask[t], then e^(score - max) in place. Every column takes the
+// vector path (the last, short group through a copy padded with -inf), so a column's numerator
+// does not depend on where it lies (a scalar tail computed the last total % kLanes columns
+// unfused, with std::exp). Their sum is taken in column order with the values (accumulate_queries).
 template <typename T>
-float softmax_numerators(float* scores, const T* mask, int64_t total, float scale) {
+void softmax_numerators(float* scores, const T* mask, int64_t total, float scale) {
   const int64_t whole = total / simd::kLanes * simd::kLanes, rest = total - whole;
   alignas(64) float tail[simd::kLanes], tail_mask[simd::kLanes];
   for (int64_t u = 0; u < simd::kLanes; ++u) {
@@ -104,28 +106,26 @@ float softmax_numerators(float* scores, const T* mask, int64_t total, float scal
   alignas(64) float lanes[simd::kLanes];
   simd::store(lanes, top);
   const simd::F shift = simd::set1(*std::max_element(lanes, lanes + simd::kLanes));
-  simd::F sums = simd::zero();
-  for (int64_t t = 0; t < whole; t += simd::kLanes) {
-    const simd::F e = simd::exp(simd::sub(simd::load(scores + t), shift));
-    simd::store(scores + t, e);
-    sums = simd::add(sums, e);
-  }
-  if (rest) {
-    const simd::F e = simd::exp(simd::sub(last, shift));
-    sums = simd::add(sums, e);
-    simd::store(tail, e);
-    std::copy(tail, tail + rest, scores + whole);
-  }
-  return simd::hsum(sums);
+  for (int64_t t = 0; t < whole; t += simd::kLanes)
+    simd::store(scores + t, simd::exp(simd::sub(simd::load(scores + t), shift)));
+  simd::store(tail, simd::exp(simd::sub(last, shift)));
+  std::copy(tail, tail + rest, scores + whole);
 }
 
 // acc[q][offset .. offset + S vectors] = sum over columns t of weights[q][t] * values[t][...] for
 // one query or two (pair), t ascending: S x (1 or 2) sums held in registers across the columns.
+// With `sums` (the first slab of the dimension) also sums[q] = the sum of weights[q][t], t
+// ascending (every lane adds the same weights). Every sum here runs over the columns in order and
+// a masked column adds exactly 0, so a query's output does not depend on how many masked columns
+// lie before, between or after its own: left padding, rejected drafts' columns, later queries.
 template <int S, int Q, typename T>
-void accumulate_queries(const float* weights, const T* vr, const AttentionShape& s, int64_t offset, float* acc) {
-  simd::F sums[Q][S];
-  for (int q = 0; q < Q; ++q)
+void accumulate_queries(const float* weights, const T* vr, const AttentionShape& s, int64_t offset, float* acc,
+                        float* sums_out) {
+  simd::F sums[Q][S], total[Q];
+  for (int q = 0; q < Q; ++q) {
+    total[q] = simd::zero();
     for (int v = 0; v < S; ++v) sums[q][v] = simd::zero();
+  }
   for (int64_t t = 0; t < s.total; ++t) {
     const T* value = vr + t * s.v_column + offset;
     simd::F w[Q];
@@ -134,17 +134,26 @@ void accumulate_queries(const float* weights, const T* vr, const AttentionShape&
       const simd::F x = load(value + v * simd::kLanes);
       for (int q = 0; q < Q; ++q) sums[q][v] = simd::fmadd(w[q], x, sums[q][v]);
     }
+    if (sums_out != nullptr)
+      for (int q = 0; q < Q; ++q) total[q] = simd::add(total[q], w[q]);
   }
-  for (int q = 0; q < Q; ++q)
+  for (int q = 0; q < Q; ++q) {
     for (int v = 0; v < S; ++v) simd::store(acc + q * s.dim + offset + v * simd::kLanes, sums[q][v]);
+    if (sums_out != nullptr) {
+      alignas(64) float lanes[simd::kLanes];
+      simd::store(lanes, total[q]);
+      sums_out[q] = lanes[0];
+    }
+  }
 }
 
 template <int S, typename T>
-void accumulate(bool pair, const float* weights, const T* vr, const AttentionShape& s, int64_t offset, float* acc) {
+void accumulate(bool pair, const float* weights, const T* vr, const AttentionShape& s, int64_t offset, float* acc,
+                float* sums) {
   if constexpr (kQueries == 2) {
-    if (pair) return accumulate_queries<S, 2>(weights, vr, s, offset, acc);
+    if (pair) return accumulate_queries<S, 2>(weights, vr, s, offset, acc, sums);
   }
-  accumulate_queries<S, 1>(weights, vr, s, offset, acc);
+  accumulate_queries<S, 1>(weights, vr, s, offset, acc, sums);
 }
 
 struct Block {
@@ -176,11 +185,11 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
       std::copy(out, out + std::min<int64_t>(4, total - t), scores.data() + j * total + t);
     }
   }
-  float sums[kMaxBlock];
   for (int64_t j = 0; j < b.count; ++j) {
     const T* mask_row = mask + (b.row * s.new_tokens + b.token(j, group)) * total;
-    sums[j] = softmax_numerators(scores.data() + j * total, mask_row, total, scale);
+    softmax_numerators(scores.data() + j * total, mask_row, total, scale);
   }
+  float sums[kMaxBlock];
   // Values: kQueries queries at a time, the dimension in slabs of whole vectors whose sums stay in
   // registers over all columns, then its tail.
   const int64_t whole = dim / simd::kLanes * simd::kLanes;
@@ -188,12 +197,20 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
     const float* weights = scores.data() + j * total;
     float* a = acc.data() + j * dim;
     const bool pair = kQueries == 2 && j + 1 < b.count;
+    float* sum = sums + j;  // taken with the first slab only
     int64_t i = 0;
-    for (; i + 8 * simd::kLanes <= whole; i += 8 * simd::kLanes) accumulate<8>(pair, weights, vr, s, i, a);
-    for (; i + 4 * simd::kLanes <= whole; i += 4 * simd::kLanes) accumulate<4>(pair, weights, vr, s, i, a);
-    for (; i + 2 * simd::kLanes <= whole; i += 2 * simd::kLanes) accumulate<2>(pair, weights, vr, s, i, a);
-    for (; i < whole; i += simd::kLanes) accumulate<1>(pair, weights, vr, s, i, a);
+    for (; i + 8 * simd::kLanes <= whole; i += 8 * simd::kLanes, sum = nullptr)
+      accumulate<8>(pair, weights, vr, s, i, a, sum);
+    for (; i + 4 * simd::kLanes <= whole; i += 4 * simd::kLanes, sum = nullptr)
+      accumulate<4>(pair, weights, vr, s, i, a, sum);
+    for (; i + 2 * simd::kLanes <= whole; i += 2 * simd::kLanes, sum = nullptr)
+      accumulate<2>(pair, weights, vr, s, i, a, sum);
+    for (; i < whole; i += simd::kLanes, sum = nullptr) accumulate<1>(pair, weights, vr, s, i, a, sum);
     for (int64_t q = j; q < std::min(j + kQueries, b.count); ++q) {
+      if (whole == 0) {  // dim < kLanes: no slab took the sum
+        sums[q] = 0.0f;
+        for (int64_t t = 0; t < total; ++t) sums[q] += scores[q * total + t];
+      }
       for (int64_t u = whole; u < dim; ++u) {
         float sum = 0.0f;
         for (int64_t t = 0; t < total; ++t) sum += scores[q * total + t] * as_float(vr[t * s.v_column + u]);
