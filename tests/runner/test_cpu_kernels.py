@@ -83,8 +83,8 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(ops: cpu_kernels.CpuOp
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_projection_beyond_16_rows(ops: cpu_kernels.CpuOps, dtype: torch.dtype) -> None:
-    """Prefill-sized x: fp32 up to 64 rows in chunks of at most 16 on the kernels (each chunk
-    equal to the product of those rows alone), more rows and bf16 on torch's GEMM."""
+    """Prefill-sized x: fp32 up to 64 rows and bf16 up to 32 in chunks of at most 16 on the
+    kernels (each chunk equal to the product of those rows alone), more rows on torch's GEMM."""
     generator = torch.Generator().manual_seed(17)
     weight = torch.randn(67, 96, generator=generator).to(dtype)
     bias = torch.randn(67, generator=generator).to(dtype)
@@ -95,7 +95,7 @@ def test_dense_projection_beyond_16_rows(ops: cpu_kernels.CpuOps, dtype: torch.d
         expected = _reference(x, weight, bias)
         relative = 1e-5 if dtype == torch.float32 else 2**-7
         assert (out.double() - expected).abs().max().item() <= relative * (expected.abs().max().item() + 1.0)
-        if dtype == torch.float32 and rows <= 64:
+        if rows <= (64 if dtype == torch.float32 else 32):
             size = -(-rows // -(-rows // cpu_kernels.MAX_ROWS))  # even chunks
             assert torch.equal(out[:size], ops.small_m_linear(x[:size].contiguous(), weight, bias)), rows
 

@@ -38,11 +38,13 @@ c10::optional<Tensor> present(const c10::optional<Tensor>& bias) {
 }
 
 // ---- projections: a weight in one of the kernels' formats, with its bias -----------------------
-// Dense fp32 products of up to this many rows run in chunks on the kernels rather than on torch's
-// GEMM: the 0.5B's fp32 prefill of 32 / 64 tokens took 0.24 / 0.44 s chunked against 0.43 / 0.65 s
-// on the GEMM, 256 tokens 1.79 s against 1.63. bf16 stays on the GEMM (oneDNN's bf16 GEMM was as
-// fast at 32-64 rows and faster beyond).
+// Dense products of up to this many rows run in chunks on the kernels rather than on torch's GEMM.
+// fp32: the 0.5B's prefill of 32 / 64 tokens took 0.24 / 0.44 s chunked against 0.43 / 0.65 s on
+// the GEMM, 256 tokens 1.79 s against 1.63. bf16 (since its products take pairs of weight rows
+// against up to 12 x rows): the 0.5B's 96 layer products of 17 / 24 / 32 / 48 / 64 rows took 49 /
+// 64 / 86 / 138 / 187 ms chunked against 76 / 87 / 101 / 132 / 160 ms on oneDNN's bf16 GEMM.
 constexpr int64_t kDenseChunkedRows = 64;
+constexpr int64_t kDenseChunkedRowsBf16 = 32;
 
 struct Projection {
   enum class Kind { kDense, kFourBit, kInt8, kInt8Weights } kind = Kind::kDense;
@@ -194,7 +196,7 @@ struct Projection {
     const Tensor x = x_in.contiguous();
     const int64_t m = x.size(0);
     const bool bf16 = x.scalar_type() == torch::kBFloat16;
-    if (m > tgi::kMaxRows && kind == Kind::kDense && (bf16 || m > kDenseChunkedRows))
+    if (m > tgi::kMaxRows && kind == Kind::kDense && m > (bf16 ? kDenseChunkedRowsBf16 : kDenseChunkedRows))
       return at::linear(x, weight, present(bias));
     // LLM.int8() takes any m. The other formats run m > kMaxRows rows (prefills) in even chunks of
     // at most kMaxRows, each chunk's weights streamed again: 4-bit prefills then cost about what the
