@@ -98,7 +98,8 @@ def test_prefill_and_64_decode_steps_match_transformers(model: PreTrainedModel, 
 
 
 def test_decode_beyond_the_kernels_row_limit(model: PreTrainedModel, prompts: list[list[int]]) -> None:
-    """18 rows: more than decode_layer takes, so the layer runs op by op (products in chunks, SDPA)."""
+    """18 rows: more than decode_layer takes, so the layer runs op by op (products in chunks, the
+    kernels' attention: one new token per row)."""
     many = [prompts[i % len(prompts)][: 3 + i] for i in range(cpu_kernels.MAX_ROWS + 2)]
     fast_stream, _ = Stream.prefill(build_runner(model, "fast"), many)
     ref_stream, ref_logits = Stream.prefill(TransformersRunner(model), many)
@@ -139,7 +140,8 @@ def test_a_verification_forward_equals_its_one_token_steps(model: PreTrainedMode
     """On the kernels verified mode's greedy identity is exact, not near: the logits of a k-token
     forward are bit for bit those of k one-token steps over the same tokens (products whose rows
     do not depend on one another, attention whose sums do not depend on the masked columns
-    after a query), two left-padded rows, k up to the kernels' 16 activation rows."""
+    after a query), two left-padded rows, k = 12 past decode_layer's 16 activation rows (the
+    layers op by op, products and the head in chunks of the kernels)."""
     if cpu_kernels.unavailable_reason() is not None:
         pytest.skip(f"the kernels are unavailable: {cpu_kernels.unavailable_reason()}")
     runner = FastLlamaRunner(model, FastRunnerConfig(dtype=dtype))
@@ -147,10 +149,10 @@ def test_a_verification_forward_equals_its_one_token_steps(model: PreTrainedMode
     rows = [prompts[0] + prompts[1] + prompts[2] + prompts[0] + prompts[3], prompts[3] + prompts[1]]
     stream, logits = Stream.prefill(runner, rows)
     tokens, stepped = logits[:, -1].argmax(-1)[:, None], []
-    for _ in range(8):
+    for _ in range(12):
         stepped.append(stream.step(tokens[:, -1]))
         tokens = torch.cat([tokens, stepped[-1].argmax(-1)[:, None]], dim=1)
-    for k in (2, 3, 5, 8):
+    for k in (2, 3, 5, 8, 12):
         verified, _ = Stream.prefill(runner, rows)
         assert torch.equal(_verify(verified, tokens[:, :k]), torch.stack(stepped[:k], dim=1)), f"{dtype}, k={k}"
 

@@ -17,7 +17,9 @@ fewer, larger ops:
   kernel_weights.py), where torch's GEMM reaches half the bandwidth in bf16 and slows down
   2.5x from 1 to 8 rows in fp32 and bitsandbytes dequantizes every weight per call; RMSNorm,
   RoPE and silu(gate) * up are one call each; attention of the new tokens against the cache
-  replaces SDPA's CPU kernel (~50 us per call). For the Llama family such a forward runs each
+  replaces SDPA's CPU kernel (~50 us per call), also beyond 16 activation rows while a row
+  brings at most 16 new tokens (every verification: its result does not depend on the batch,
+  so verified mode's greedy tokens are off's bit for bit). For the Llama family such a forward runs each
   decoder layer as one compiled call, `decode_layer`, built of the same pieces: Python is
   crossed 30 times per forward instead of ~750.
 The layer loop stays in Python, so `skip_layers` is a plain `continue` and an optional
@@ -106,6 +108,11 @@ def linear(x: torch.Tensor, weight: Projection | cpu_kernels.Projection, bias: t
     if isinstance(weight, torch.Tensor):
         if dims.ops is not None and cpu_kernels.linear_usable(x, weight):
             out = dims.ops.small_m_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
+            return out.view(*x.shape[:-1], weight.shape[0])
+        if dims.ops is not None and x.dtype == weight.dtype and x.dtype in cpu_kernels.DTYPES:
+            # more rows (a verification of 17+ activation rows, a prefill's logits): the kernels in
+            # chunks where they beat torch's GEMM, so a row's logits still do not depend on the others
+            out = dims.ops.Projection.dense(weight, bias)(x.reshape(-1, x.shape[-1]))
             return out.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     if not isinstance(weight, tuple):  # the kernels' Projection (kernel_weights.py): holds its bias
@@ -346,7 +353,7 @@ class FastLlamaRunner:
                                     dims.num_kv_heads, dims.eps, self.spec.attention_scale)
         q, k, v = self._pre(h, cos, sin, *layer.pre, dims)  # [rows, new, heads, head_dim]
         keys, values = cache.append(index, k.transpose(1, 2), v.transpose(1, 2))  # [rows, kv, total, dim]
-        if few and dims.ops is not None:
+        if dims.ops is not None and new <= cpu_kernels.MAX_ROWS:  # every verification: exact whatever the batch
             attn = dims.ops.decode_attention(q, keys, values, mask, self.spec.attention_scale)
         else:
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
