@@ -17,10 +17,8 @@
 // result is the same whatever else the forward carries; and its sums run over the columns in
 // order, where a masked column adds exactly 0, so it is also the same wherever masked columns lie
 // (left padding, a rejected draft's columns, the queries after it in a verification): a k-token
-// verification computes what k one-token steps compute, bit for bit, in any batch. (Before, the
-// softmax sum ran in vector lanes by column position with a scalar tail: once a forward's columns
-// crossed a multiple of the vector width the 0.5B's logits moved by up to 0.19 in bf16, and a
-// verified bf16 greedy decode left off's tokens at a near-tie.) Masked entries hold the dtype's minimum,
+// verification computes what k one-token steps compute, bit for bit, in any batch (see
+// softmax_numerators and accumulate_queries). Masked entries hold the dtype's minimum,
 // never -inf, so a padding query (which sees no key) gets a uniform softmax instead of NaNs.
 #include <ATen/Parallel.h>
 
@@ -197,15 +195,15 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
     const float* weights = scores.data() + j * total;
     float* a = acc.data() + j * dim;
     const bool pair = kQueries == 2 && j + 1 < b.count;
-    float* sum = sums + j;  // taken with the first slab only
+    float* sums_out = sums + j;  // taken with the first slab only
     int64_t i = 0;
-    for (; i + 8 * simd::kLanes <= whole; i += 8 * simd::kLanes, sum = nullptr)
-      accumulate<8>(pair, weights, vr, s, i, a, sum);
-    for (; i + 4 * simd::kLanes <= whole; i += 4 * simd::kLanes, sum = nullptr)
-      accumulate<4>(pair, weights, vr, s, i, a, sum);
-    for (; i + 2 * simd::kLanes <= whole; i += 2 * simd::kLanes, sum = nullptr)
-      accumulate<2>(pair, weights, vr, s, i, a, sum);
-    for (; i < whole; i += simd::kLanes, sum = nullptr) accumulate<1>(pair, weights, vr, s, i, a, sum);
+    for (; i + 8 * simd::kLanes <= whole; i += 8 * simd::kLanes, sums_out = nullptr)
+      accumulate<8>(pair, weights, vr, s, i, a, sums_out);
+    for (; i + 4 * simd::kLanes <= whole; i += 4 * simd::kLanes, sums_out = nullptr)
+      accumulate<4>(pair, weights, vr, s, i, a, sums_out);
+    for (; i + 2 * simd::kLanes <= whole; i += 2 * simd::kLanes, sums_out = nullptr)
+      accumulate<2>(pair, weights, vr, s, i, a, sums_out);
+    for (; i < whole; i += simd::kLanes, sums_out = nullptr) accumulate<1>(pair, weights, vr, s, i, a, sums_out);
     for (int64_t q = j; q < std::min(j + kQueries, b.count); ++q) {
       if (whole == 0) {  // dim < kLanes: no slab took the sum
         sums[q] = 0.0f;
