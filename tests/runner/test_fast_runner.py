@@ -1,7 +1,7 @@
 """The fast runner against transformers' own modules on the real default model (CPU, fp32).
 
 Tolerances (max abs difference of logits, against TransformersRunner on the same weights):
-- float32: 1e-4 on prefill and on every one of 64 decode steps; greedy tokens identical.
+- float32: 2.5e-4 on prefill and on every one of 64 decode steps; greedy tokens identical.
 - bfloat16 (the fast runner's weights cast to bf16) against the float32 reference: logits
   within BF16_TOLERANCE = 1.0 on prefill (torch's products), and a greedy token changed only
   where fp32's top-2 margin is under BF16_NEAR_TIE = 0.5 (measured: 1-2 of 25 positions flip,
@@ -52,7 +52,10 @@ from text_generation_server.models.runner import (
 
 from .batching import Stream, real_positions, teacher_forced
 
-FP32_TOLERANCE = 1e-4
+# Two fp32 orders of summation: on a Sapphire-Rapids-class Xeon the prefill logits of transformers
+# and of the fast runner lie 9.0e-5 and 8.2e-5 from a float64 run of the model, 1.6e-4 apart (on
+# the Zen 4 where this was 1e-4, under it).
+FP32_TOLERANCE = 2.5e-4
 BF16_TOLERANCE = 1.0
 BF16_DECODE_TOLERANCE = 2.0
 BF16_NEAR_TIE = 0.5

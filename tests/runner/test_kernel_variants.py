@@ -15,11 +15,12 @@ from text_generation_server.models.runner import cpu_kernels, kernel_build
 AVX2 = {"avx2", "fma", "f16c", "sse4_2"}
 ICE_LAKE = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}  # no avx512_bf16
 SKYLAKE_X = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-SAPPHIRE_RAPIDS = ICE_LAKE | {"avx512_bf16", "amx_tile"}
+ZEN_4 = ICE_LAKE | {"avx512_bf16"}
+SAPPHIRE_RAPIDS = ZEN_4 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
 @pytest.mark.parametrize(("flags", "expected"), [(AVX2, "avx2"), (SKYLAKE_X, "avx512"), (ICE_LAKE, "avx512_vnni"),
-                                                 (SAPPHIRE_RAPIDS, "avx512_bf16")])
+                                                 (ZEN_4, "avx512_bf16"), (SAPPHIRE_RAPIDS, "amx_bf16")])
 def test_auto_picks_the_best_variant_the_flags_allow(flags: set[str], expected: str) -> None:
     choice = cpu_kernels.choose("auto", flags, "x86_64")
     assert isinstance(choice, cpu_kernels.Variant) and choice.name == expected
@@ -40,15 +41,16 @@ def test_other_cpus_and_off_fall_back_to_torch_saying_why() -> None:
     assert cpu_kernels.choose("auto", {"avx", "sse4_2"}, "x86_64") == (
         "the CPU lacks avx2, fma, f16c (the least the kernels need: AVX2, FMA, F16C)")
     assert cpu_kernels.choose("off", SAPPHIRE_RAPIDS, "x86_64") == "TGI_CPU_KERNELS=off"
-    with pytest.raises(ValueError, match="TGI_CPU_KERNELS='sse2' is not one of auto, off, avx512_bf16"):
+    with pytest.raises(ValueError, match="TGI_CPU_KERNELS='sse2' is not one of auto, off, amx_bf16, avx512_bf16"):
         cpu_kernels.choose("sse2", AVX2, "x86_64")
 
 
-def test_only_the_bf16_variant_uses_bf16_instructions() -> None:
+def test_only_the_bf16_variants_use_bf16_instructions() -> None:
     """fp32 kernels never depend on a bf16 instruction: below avx512_bf16, bf16 is widened by shifts."""
     for variant in cpu_kernels.VARIANTS:
         uses_bf16 = any("bf16" in flag for flag in variant.compiler_flags)
-        assert uses_bf16 == (variant.name == "avx512_bf16"), variant
+        assert uses_bf16 == (variant.name in ("amx_bf16", "avx512_bf16")), variant
+    assert cpu_kernels.BY_NAME["amx_bf16"].compiler_flags[-2:] == ("-mamx-tile", "-mamx-bf16")  # GCC's spelling
 
 
 def test_build_compiles_every_variant_and_imports_none(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -85,13 +87,27 @@ def _disassembly(paths: list[Path]) -> str:
 @pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None, reason="the kernels are not built here")
 def test_no_variant_holds_instructions_above_its_level() -> None:
     """What the CPU executes is what it has: the shared bindings hold no vector extension at all,
-    the avx2 variant no AVX-512 register, and only avx512_bf16 a bf16 instruction."""
+    the avx2 variant no AVX-512 register, only avx512_bf16 and amx_bf16 a bf16 instruction, and only
+    amx_bf16 a tile instruction."""
     folder = cpu_kernels.build()
     bindings = _disassembly([folder / "bindings.o"])
     assert "%ymm" not in bindings and "%zmm" not in bindings
     avx2 = _disassembly(sorted((folder / "avx2").glob("*.o")))
     assert "%ymm" in avx2 and "%zmm" not in avx2 and "%k1" not in avx2
-    for name in ("avx512", "avx512_vnni"):
-        assert "bf16" not in _disassembly(sorted((folder / name).glob("*.o")))
+    for name in ("avx512", "avx512_vnni", "avx512_bf16"):
+        code = _disassembly(sorted((folder / name).glob("*.o")))
+        assert "tdpbf16ps" not in code and "ldtilecfg" not in code and ("bf16" in code) == (name == "avx512_bf16")
     assert "vpdpbusd" in _disassembly(sorted((folder / "avx512_vnni").glob("*.o")))
     assert "vdpbf16ps" in _disassembly(sorted((folder / "avx512_bf16").glob("*.o")))
+    assert "tdpbf16ps" in _disassembly(sorted((folder / "amx_bf16").glob("*.o")))
+
+
+def test_amx_flags_count_only_where_the_os_grants_the_tile_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without Linux's grant (arch_prctl) a tile instruction ends the process: the amx variants then
+    count as missing their flags, and auto picks the next variant."""
+    flags = cpu_kernels.cpu_flags()
+    monkeypatch.setattr(cpu_kernels, "amx_permitted", lambda: False)
+    refused = cpu_kernels.cpu_flags()
+    assert not any(flag.startswith("amx") for flag in refused)
+    assert refused == {flag for flag in flags if not flag.startswith("amx")}
+    assert "amx_bf16" not in [v.name for v in cpu_kernels.runnable_variants()]

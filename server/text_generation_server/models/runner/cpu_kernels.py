@@ -29,6 +29,7 @@ the runner uses torch's ops.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import importlib.util
@@ -60,13 +61,16 @@ class Variant:
 
     @property
     def compiler_flags(self) -> tuple[str, ...]:
-        return tuple(f"-m{flag.replace('_', '')}" for flag in self.cpu_flags)
+        # GCC spells AVX-512's extensions without their underscore, AMX's with a hyphen
+        return tuple(f"-m{flag.replace('_', '-' if flag.startswith('amx') else '')}" for flag in self.cpu_flags)
 
 
 _AVX2 = ("avx2", "fma", "f16c")
 _AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
+_AVX512_BF16 = (*_AVX512, "avx512_vnni", "avx512_bf16")
 VARIANTS = (  # best first
-    Variant("avx512_bf16", (*_AVX512, "avx512_vnni", "avx512_bf16")),
+    Variant("amx_bf16", (*_AVX512_BF16, "amx_tile", "amx_bf16")),  # bf16 products on AMX tiles (kernels/amx.h)
+    Variant("avx512_bf16", _AVX512_BF16),
     Variant("avx512_vnni", (*_AVX512, "avx512_vnni")),
     Variant("avx512", _AVX512),
     Variant("avx2", _AVX2),
@@ -133,15 +137,29 @@ class CpuOps(Protocol):
 
 
 def cpu_flags() -> set[str]:
-    """This CPU's flags from /proc/cpuinfo (empty where there is none)."""
+    """This CPU's flags from /proc/cpuinfo (empty where there is none), less AMX's when the OS does
+    not grant this process the tile data (amx_permitted)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
+            flags = set(line.split(":", 1)[1].split())
+            return flags if amx_permitted() else {flag for flag in flags if not flag.startswith("amx")}
     return set()
+
+
+@functools.cache
+def amx_permitted() -> bool:
+    """Whether Linux lets this process use AMX's tile data, asking for it (arch_prctl
+    ARCH_REQ_XCOMP_PERM, once per process, for every thread; Linux >= 5.16). Without the grant a
+    tile instruction kills the process (SIGILL), so the amx variants count as missing their flags."""
+    if platform.machine() != "x86_64" or sys.platform != "linux":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18  # SYS_arch_prctl, <asm/prctl.h>
+    return libc.syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata) == 0
 
 
 def choose(switch: str, flags: set[str], machine: str) -> Variant | str:
