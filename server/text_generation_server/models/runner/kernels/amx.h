@@ -7,13 +7,15 @@
 // product of 1 KB of weights serves every x row at once, so 1..16 x rows cost the weight stream
 // alone: on a Sapphire-Rapids-class core, 70 MB of weights at 1 / 4 / 8 / 16 x rows took
 // 2.5 / 2.5 / 2.6 / 2.9 ms, where the AVX-512 blocks (blocks.h) take 1.85x a row's time at 8.
-// Four weight tiles take turns against the same x tile, each into its own sums: one product's
-// latency is about three times its issue interval. A sum for weight row r and x row j runs over
-// k in chunk order whatever m is, so a row's product does not depend on the other rows (the
-// exactness of verification, blocks.h). k and n that are not whole tiles go through a zero-padded
-// copy of the partial tile. The OS must grant the process AMX's tile data (arch_prctl
-// ARCH_REQ_XCOMP_PERM, Linux >= 5.16): `permitted()` asks once; refused, products take the
-// AVX-512 blocks instead (cpu_kernels.py does not choose this variant then).
+// Four sums run at once (chunks of k in turns): one product's latency is several times its issue
+// interval. The sums for weight row r and x row j run over k in chunk order whatever m is, so a
+// row's product does not depend on the other rows (the exactness of verification, blocks.h);
+// they differ from the AVX-512 variants' in the last bits (the tile unit's own order of fp32
+// additions, which no simple sequence of fp32 adds reproduces), so a process uses one variant
+// for every row count. k and n that are not whole tiles go through a zero-padded copy of the
+// partial tile. The OS must grant the process AMX's tile data (arch_prctl ARCH_REQ_XCOMP_PERM,
+// Linux >= 5.16): `permitted()` asks once; refused, products take the AVX-512 blocks instead
+// (cpu_kernels.py does not choose this variant then).
 #pragma once
 
 #if defined(__AMX_BF16__)
@@ -66,11 +68,22 @@ struct PackedX {
   simd::Buffer<uint32_t> pairs;
   int64_t m;
   PackedX(const uint16_t* x, int64_t m_, int64_t k) : pairs(m_ * ((k + kChunk - 1) / kChunk * kChunk / 2), 0), m(m_) {
-    const int64_t whole = k / 2;
-    for (int64_t j = 0; j < m; ++j) {
-      const uint16_t* row = x + j * k;
-      for (int64_t p = 0; p < whole; ++p) std::memcpy(&pairs[p * m + j], row + 2 * p, 4);
-      if (k % 2) pairs[whole * m + j] = row[k - 1];  // the last value, paired with a zero
+    if (m == 1) {
+      std::memcpy(pairs.data(), x, k * 2);
+    } else if (k % 2 == 0) {  // pair p of every row in one gather
+      const __m512i starts = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(static_cast<int>(k / 2)));
+      const __mmask16 rows = static_cast<__mmask16>((1u << m) - 1);
+      const auto* x32 = reinterpret_cast<const int*>(x);
+      for (int64_t p = 0; p < k / 2; ++p)
+        _mm512_mask_storeu_epi32(&pairs[p * m], rows,
+                                 _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, starts, x32 + p, 4));
+    } else {
+      for (int64_t j = 0; j < m; ++j) {
+        const uint16_t* row = x + j * k;
+        for (int64_t p = 0; p < k / 2; ++p) std::memcpy(&pairs[p * m + j], row + 2 * p, 4);
+        pairs[k / 2 * m + j] = row[k - 1];  // the last value, paired with a zero
+      }
     }
   }
   const uint32_t* chunk(int64_t c) const { return pairs.data() + c / 2 * m; }
@@ -149,39 +162,42 @@ inline void block(const uint16_t* w, int64_t k, int64_t row, int64_t spread, int
 // where the previous block's left off, so a thread's blocks read 16 long sequential streams, which
 // the hardware prefetchers follow. Blocks of 16 neighbouring rows read the 0.5B's rows of 896
 // values (1.8 KB) in 16 short streams per 28 KB: 26.6 GB/s against 31.2 spread this way (2 threads,
-// a plain read 30.3; software prefetching measured slower on this path). Output y[j, row] =
-// ((s0 + s1) + s2) + s3 (+ bias) for the sums s of that weight row and x row j.
-template <typename Out>
-void run(const uint16_t* x_rows, const uint16_t* w, int64_t m, int64_t k, int64_t n, const float* bias, Out* y) {
+// a plain read 30.3; software prefetching measured slower on this path). The sums of 16
+// consecutive blocks are kept, so that each x row's outputs are written 16 neighbours at a time.
+// Output y[j, row] = ((s0 + s1) + s2) + s3 (+ bias) for the sums s of that weight row and x row j.
+inline void run(const uint16_t* x_rows, const uint16_t* w, int64_t m, int64_t k, int64_t n, const float* bias,
+                uint16_t* y) {
   const PackedX x(x_rows, m, k);
   const int64_t spread = (n + kTile - 1) / kTile;  // blocks, and the rows between a block's rows
   const int64_t grain = std::max<int64_t>(1, 65536 / (kTile * k * 2));  // ~64 KiB of weights per task
-  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i column = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(kTile));  // lane i: sums[.][i][0]
-  const __m512i rows_apart = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int>(spread)));
+  // lane q: element [q][0][0] of a [16][16][16] array
+  const __m512i blocks_apart = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                  _mm512_set1_epi32(kTile * kTile));
   at::parallel_for(0, spread, grain, [&](int64_t b0, int64_t b1) {
     configure(m);
     alignas(64) float sums[kSums][kTile][kTile];
-    for (int64_t row = b0; row < b1; ++row) {
-      const int64_t rows = std::min(kTile, (n - row + spread - 1) / spread);
-      const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
-      block(w, k, row, spread, rows, x, sums);
-      for (int64_t i = 0; i < kTile; ++i) {  // the four sums, in a fixed order, into sums[0]
-        _mm512_store_ps(sums[0][i], _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_load_ps(sums[0][i]),
-                                                                             _mm512_load_ps(sums[1][i])),
-                                                               _mm512_load_ps(sums[2][i])),
-                                                 _mm512_load_ps(sums[3][i])));
+    alignas(64) float kept[kTile][kTile][kTile];  // [block q of 16][weight row i of the block][x row j]
+    for (int64_t first = b0; first < b1; first += kTile) {
+      const int64_t count = std::min(kTile, b1 - first);
+      for (int64_t q = 0; q < count; ++q) {
+        const int64_t row = first + q;
+        block(w, k, row, spread, std::min(kTile, (n - row + spread - 1) / spread), x, sums);
+        for (int64_t i = 0; i < kTile; ++i) {  // the four sums, in a fixed order
+          _mm512_store_ps(kept[q][i], _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_load_ps(sums[0][i]),
+                                                                               _mm512_load_ps(sums[1][i])),
+                                                                 _mm512_load_ps(sums[2][i])),
+                                                   _mm512_load_ps(sums[3][i])));
+        }
       }
-      const __m512 bias_rows =
-          bias ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, rows_apart, bias + row, 4) : _mm512_setzero_ps();
-      for (int64_t j = 0; j < m; ++j) {  // x row j's outputs of the block: weight rows in lanes
-        const __m512 value = _mm512_add_ps(_mm512_i32gather_ps(column, &sums[0][0][j], 4), bias_rows);
-        if constexpr (sizeof(Out) == 2) {
-          alignas(64) uint32_t bits[kTile];
-          _mm512_store_si512(bits, _mm512_srli_epi32(_mm512_castps_si512(simd::round_to_bf16(value)), 16));
-          for (int64_t i = 0; i < rows; ++i) y[j * n + row + i * spread] = static_cast<uint16_t>(bits[i]);
-        } else {
-          _mm512_mask_i32scatter_ps(y + j * n + row, mask, rows_apart, value, 4);
+      // Weight rows first + q + i * spread for q < count are neighbours in y: one store per x row.
+      for (int64_t i = 0; i < kTile && first + i * spread < n; ++i) {
+        const int64_t start = first + i * spread;
+        const __mmask16 mask = static_cast<__mmask16>((1u << std::min(count, n - start)) - 1);
+        const __m512 bias_rows = bias ? _mm512_maskz_loadu_ps(mask, bias + start) : _mm512_setzero_ps();
+        for (int64_t j = 0; j < m; ++j) {
+          const __m512 value = _mm512_add_ps(_mm512_i32gather_ps(blocks_apart, &kept[0][i][j], 4), bias_rows);
+          const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(simd::round_to_bf16(value)), 16);
+          _mm256_mask_storeu_epi16(y + j * n + start, mask, _mm512_cvtepi32_epi16(bits));
         }
       }
     }
