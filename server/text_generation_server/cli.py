@@ -109,7 +109,7 @@ def build_kernels_command() -> None:
     except Exception as error:
         print(f"cpu kernels: build failed: {error}", file=sys.stderr)
         raise typer.Exit(1) from error
-    names = ", ".join(variant.name for variant in cpu_kernels.VARIANTS)
+    names = ", ".join(variant.name for variant in cpu_kernels.built_variants())
     print(f"cpu kernels: built {names} in {folder} ({used})")
 
 

@@ -63,6 +63,7 @@ def test_build_compiles_every_variant_and_imports_none(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(kernel_build, "_run", compile_or_link)
     monkeypatch.setattr(kernel_build, "compiler", lambda: "c++")
+    monkeypatch.setattr(kernel_build, "accepts", lambda cxx, flags: None)
     modules_before = set(sys.modules)
     kernel_build.build(tmp_path / "k", {v.name: v.compiler_flags for v in cpu_kernels.VARIANTS})
     assert set(sys.modules) == modules_before
@@ -111,3 +112,35 @@ def test_amx_flags_count_only_where_the_os_grants_the_tile_data(monkeypatch: pyt
     assert not any(flag.startswith("amx") for flag in refused)
     assert refused == {flag for flag in flags if not flag.startswith("amx")}
     assert "amx_bf16" not in [v.name for v in cpu_kernels.runnable_variants()]
+
+
+def test_a_variant_the_compiler_cannot_build_is_skipped_saying_why(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """An older compiler without AMX's flags still builds the other variants; the skipped one says
+    why, and is built once the compiler takes its flags."""
+    def compile_or_link(command: list[str]) -> None:
+        Path(command[command.index("-o") + 1]).write_bytes(b"")
+
+    monkeypatch.setattr(kernel_build, "_run", compile_or_link)
+    monkeypatch.setattr(kernel_build, "compiler", lambda: "/usr/bin/g++-10")
+    monkeypatch.setattr(kernel_build, "accepts", lambda cxx, flags: next(
+        (f"error: unrecognized command-line option '{f}'" for f in flags if f.startswith("-mamx")), None))
+    folder = tmp_path / "k"
+    kernel_build.build(folder, {v.name: v.compiler_flags for v in cpu_kernels.VARIANTS})
+    assert not kernel_build.module_path(folder, "amx_bf16").exists()
+    assert kernel_build.unsupported(folder, "amx_bf16") == (
+        "g++-10 does not take " + " ".join(cpu_kernels.BY_NAME["amx_bf16"].compiler_flags)
+        + ": error: unrecognized command-line option '-mamx-tile'")
+    for name in ("avx512_bf16", "avx512_vnni", "avx512", "avx2"):
+        assert kernel_build.module_path(folder, name).exists() and kernel_build.unsupported(folder, name) is None
+    monkeypatch.setattr(kernel_build, "accepts", lambda cxx, flags: None)  # a newer compiler
+    kernel_build.build(folder, {"amx_bf16": cpu_kernels.BY_NAME["amx_bf16"].compiler_flags})
+    assert kernel_build.module_path(folder, "amx_bf16").exists()
+    assert kernel_build.unsupported(folder, "amx_bf16") is None
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler here")
+def test_the_compiler_is_asked_whether_it_takes_a_variants_flags() -> None:
+    assert kernel_build.accepts("c++", ["-mavx2", "-mfma"]) is None
+    complaint = kernel_build.accepts("c++", ["-mno-such-extension"])
+    assert complaint is not None and "no-such-extension" in complaint

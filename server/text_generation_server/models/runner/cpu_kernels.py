@@ -198,9 +198,12 @@ def unavailable_reason(switch: str | None = None) -> str | None:
 
 
 def runnable_variants() -> list[Variant]:
-    """Every variant this CPU can run (tests exercise each of them)."""
-    flags = cpu_flags()
-    return [v for v in VARIANTS if all(f in flags for f in v.cpu_flags)] if platform.machine() == "x86_64" else []
+    """Every variant this CPU can run and the compiler could build (tests exercise each of them)."""
+    if platform.machine() != "x86_64":
+        return []
+    flags, folder = cpu_flags(), build_dir()
+    return [v for v in VARIANTS
+            if all(f in flags for f in v.cpu_flags) and kernel_build.unsupported(folder, v.name) is None]
 
 
 def variants_for(kind: str, variants: list[Variant]) -> list[Variant]:
@@ -226,20 +229,35 @@ def build_dir() -> Path:
 
 
 def build(variants: tuple[Variant, ...] = VARIANTS) -> Path:
-    """Compile the variants not built yet (every one by default: compiling runs none of them)."""
+    """Compile the variants not built yet (every one by default: compiling runs none of them); one
+    whose flags the compiler does not take is skipped, saying why (the others still serve)."""
     folder = build_dir()
     missing = [v for v in variants if not kernel_build.module_path(folder, v.name).exists()]
     if missing:
         logger.info(f"Compiling the CPU kernels ({', '.join(v.name for v in missing)}) into {folder} (once)")
         kernel_build.build(folder, {v.name: v.compiler_flags for v in missing})
+        for variant in missing:
+            reason = kernel_build.unsupported(folder, variant.name)
+            if reason:
+                logger.warning(f"The {variant.name} variant of the CPU kernels is not built: {reason}")
     return folder
+
+
+def built_variants() -> list[Variant]:
+    """The variants compiled in this build folder (build() skips those the compiler cannot build)."""
+    folder = build_dir()
+    return [v for v in VARIANTS if kernel_build.module_path(folder, v.name).exists()]
 
 
 @functools.cache
 def load_variant(name: str) -> CpuOps:
     """Import one variant's module, compiling it first when it is not built. The caller makes sure
     the CPU can run it (importing a variant the CPU lacks may end the process: SIGILL)."""
-    path = kernel_build.module_path(build((BY_NAME[name],)), name)
+    folder = build((BY_NAME[name],))
+    reason = kernel_build.unsupported(folder, name)
+    if reason:
+        raise RuntimeError(f"the {name} variant is not built: {reason}")
+    path = kernel_build.module_path(folder, name)
     spec = importlib.util.spec_from_file_location(kernel_build.module_name(name), path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -93,11 +93,41 @@ def module_path(folder: Path, variant: str) -> Path:
     return folder / variant / f"{NAME}.so"
 
 
+UNSUPPORTED = "unsupported.txt"  # in a variant's folder: why the compiler could not build it
+
+
+def accepts(cxx: str, flags: Sequence[str]) -> str | None:
+    """None when the compiler takes these -m flags, else its complaint (an older GCC or Clang lacks
+    newer ISA extensions' flags, e.g. AMX's before GCC 11)."""
+    result = subprocess.run([cxx, "-x", "c++", "-fsyntax-only", *flags, "-"], input="int main() { return 0; }\n",
+                            capture_output=True, text=True)
+    text = (result.stderr or result.stdout).strip()
+    return None if result.returncode == 0 else text.splitlines()[-1] if text else f"exit status {result.returncode}"
+
+
+def unsupported(folder: Path, variant: str) -> str | None:
+    """Why `variant` was not built in `folder` (the compiler does not take its flags), or None."""
+    marker = folder / variant / UNSUPPORTED
+    return marker.read_text().strip() if marker.exists() else None
+
+
 def build(folder: Path, variants: dict[str, Sequence[str]], jobs: int | None = None) -> None:
-    """Compile each missing variant (name -> its -m flags) into `folder`; raises on failure."""
+    """Compile each missing variant (name -> its -m flags) into `folder`; raises on failure. A
+    variant whose flags the compiler does not take is skipped, the reason written to
+    `<variant>/unsupported.txt` (unsupported(); asked again at the next build, so a newer compiler
+    builds it); the others are built."""
     cxx = compiler()
     with locked(folder):
         missing = {name: flags for name, flags in variants.items() if not module_path(folder, name).exists()}
+        for name, variant_flags in list(missing.items()):
+            (folder / name).mkdir(parents=True, exist_ok=True)
+            marker = folder / name / UNSUPPORTED
+            complaint = accepts(cxx, variant_flags)
+            if complaint is None:
+                marker.unlink(missing_ok=True)
+            else:
+                marker.write_text(f"{Path(cxx).name} does not take {' '.join(variant_flags)}: {complaint}\n")
+                del missing[name]
         if not missing:
             return
         flags = common_flags()
