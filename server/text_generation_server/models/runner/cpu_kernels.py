@@ -159,7 +159,8 @@ def amx_permitted() -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18  # SYS_arch_prctl, <asm/prctl.h>
-    return libc.syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata) == 0
+    args = (ctypes.c_long(arch_prctl), ctypes.c_long(req_xcomp_perm), ctypes.c_long(xfeature_xtiledata))
+    return libc.syscall(*args) == 0  # syscall(2) reads longs
 
 
 def choose(switch: str, flags: set[str], machine: str) -> Variant | str:
