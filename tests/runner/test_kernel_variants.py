@@ -100,7 +100,8 @@ def test_no_variant_holds_instructions_above_its_level() -> None:
         assert "tdpbf16ps" not in code and "ldtilecfg" not in code and ("bf16" in code) == (name == "avx512_bf16")
     assert "vpdpbusd" in _disassembly(sorted((folder / "avx512_vnni").glob("*.o")))
     assert "vdpbf16ps" in _disassembly(sorted((folder / "avx512_bf16").glob("*.o")))
-    assert "tdpbf16ps" in _disassembly(sorted((folder / "amx_bf16").glob("*.o")))
+    if kernel_build.unsupported(folder, "amx_bf16") is None:  # a compiler without AMX's flags skips it
+        assert "tdpbf16ps" in _disassembly(sorted((folder / "amx_bf16").glob("*.o")))
 
 
 def test_amx_flags_count_only_where_the_os_grants_the_tile_data(monkeypatch: pytest.MonkeyPatch) -> None:
