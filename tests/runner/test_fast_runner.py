@@ -143,13 +143,15 @@ def test_a_verification_forward_equals_its_one_token_steps(model: PreTrainedMode
     """On the kernels verified mode's greedy identity is exact, not near: the logits of a k-token
     forward are bit for bit those of k one-token steps over the same tokens (products whose rows
     do not depend on one another, attention whose sums do not depend on the masked columns
-    after a query), two left-padded rows, k = 12 past decode_layer's 16 activation rows (the
-    layers op by op, products and the head in chunks of the kernels)."""
+    after a query), six left-padded rows, k = 12 past decode_layer's 16 activation rows (the
+    layers op by op, products and the head in chunks of the kernels) and past the 32 bf16 / 64 fp32
+    rows beyond which a prefill's products take torch's GEMM (72: a verification never does)."""
     if cpu_kernels.unavailable_reason() is not None:
         pytest.skip(f"the kernels are unavailable: {cpu_kernels.unavailable_reason()}")
     runner = FastLlamaRunner(model, FastRunnerConfig(dtype=dtype))
     # 30 and 10 tokens: the k-token forwards reach past 32 columns, the steps before them do not
-    rows = [prompts[0] + prompts[1] + prompts[2] + prompts[0] + prompts[3], prompts[3] + prompts[1]]
+    rows = [prompts[0] + prompts[1] + prompts[2] + prompts[0] + prompts[3], prompts[3] + prompts[1], prompts[1],
+            prompts[2] + prompts[3], prompts[0] + prompts[1] + prompts[2], prompts[2]]
     stream, logits = Stream.prefill(runner, rows)
     tokens, stepped = logits[:, -1].argmax(-1)[:, None], []
     for _ in range(12):

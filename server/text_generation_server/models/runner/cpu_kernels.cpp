@@ -189,14 +189,17 @@ struct Projection {
                 weight.scalar_type());
   }
 
-  Tensor operator()(const Tensor& x_in) const {  // x [m, k] -> [m, n]
+  // x [m, k] -> [m, n]. exact: dense products of any m in chunks on the kernels, never torch's GEMM,
+  // so that every row's result is what a one-row product gives (decode steps and verifications of
+  // any batch; the runner passes it for forwards of at most 16 new tokens per row).
+  Tensor operator()(const Tensor& x_in, bool exact) const {
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "Projection: x must be [m, ", k, "], got ", x_in.sizes());
     check_float_dtype("Projection", x_in);
     check_input("Projection", x_in.scalar_type());
     const Tensor x = x_in.contiguous();
     const int64_t m = x.size(0);
     const bool bf16 = x.scalar_type() == torch::kBFloat16;
-    if (m > tgi::kMaxRows && kind == Kind::kDense && m > (bf16 ? kDenseChunkedRowsBf16 : kDenseChunkedRows))
+    if (!exact && m > tgi::kMaxRows && kind == Kind::kDense && m > (bf16 ? kDenseChunkedRowsBf16 : kDenseChunkedRows))
       return at::linear(x, weight, present(bias));
     // LLM.int8() takes any m. The other formats run m > kMaxRows rows (prefills) in even chunks of
     // at most kMaxRows, each chunk's weights streamed again: 4-bit prefills then cost about what the
@@ -230,7 +233,7 @@ Tensor small_m_linear(const Tensor& x, const Tensor& weight, const c10::optional
   TORCH_CHECK(weight.size(1) == k, "small_m_linear: x has ", k, " features, weight ", weight.size(1));
   TORCH_CHECK(m >= 1 && m <= tgi::kMaxRows, "small_m_linear: ", m, " rows; at most ", tgi::kMaxRows);
   check_float_dtype("small_m_linear", x);
-  return Projection::dense(weight, bias)(x);
+  return Projection::dense(weight, bias)(x, false);
 }
 
 // ---- elementwise and attention ----------------------------------------------------------------
@@ -453,7 +456,7 @@ void tgi_define_module(pybind11::module_& module) {
       .def_static("int8", &Projection::int8, "bitsandbytes LLM.int8(): CB, SCB, bias, threshold")
       .def_static("int8_weights", &Projection::int8_weights,
                   "weight-only int8 in blocks: codes, scales, blocksize, bias")
-      .def("__call__", &Projection::operator(), "x [m, k] -> [m, n]")
+      .def("__call__", &Projection::operator(), "x [m, k] -> [m, n]", py::arg("x"), py::arg("exact") = false)
       .def_readonly("n", &Projection::n)
       .def_readonly("k", &Projection::k)
       .def_property_readonly("nbytes", &Projection::nbytes, "bytes one product reads: weights, scales, bias");

@@ -85,9 +85,10 @@ class Projection(Protocol):
     k: int
     nbytes: int  # what one product reads: weights (codes), scales or absmax blocks, bias
 
-    def __call__(self, x: torch.Tensor, /) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, /, exact: bool = False) -> torch.Tensor:
         """x `[m, k]` -> `[m, n]` (1..16 rows on the kernels; more in chunks of 16 on the kernels
-        for quantized weights and fp32 up to 64 rows, else on torch's GEMM)."""
+        for quantized weights, dense ones up to 64 fp32 / 32 bf16 rows or any number with `exact`,
+        else on torch's GEMM)."""
 
 
 class ProjectionFactory(Protocol):

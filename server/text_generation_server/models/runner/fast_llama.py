@@ -105,18 +105,22 @@ class Dims:
 
 def linear(x: torch.Tensor, weight: Projection | cpu_kernels.Projection, bias: torch.Tensor | None,
            dims: Dims) -> torch.Tensor:
+    """x `[rows, new, k]` @ weight. Forwards of at most MAX_ROWS new tokens per row (decode steps,
+    verifications, whatever the batch) take the kernels in chunks however many rows they carry
+    (`exact`): a row's result is then the one-row product's, so a verification equals its steps
+    and no row depends on the others. Longer ones (prefills) may take torch's GEMM where it is faster."""
+    exact = x.dim() == 3 and x.shape[1] <= cpu_kernels.MAX_ROWS
     if isinstance(weight, torch.Tensor):
         if dims.ops is not None and cpu_kernels.linear_usable(x, weight):
             out = dims.ops.small_m_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
             return out.view(*x.shape[:-1], weight.shape[0])
         if dims.ops is not None and x.dtype == weight.dtype and x.dtype in cpu_kernels.DTYPES:
-            # more rows (a verification of 17+ activation rows, a prefill's logits): the kernels in
-            # chunks where they beat torch's GEMM, so a row's logits still do not depend on the others
-            out = dims.ops.Projection.dense(weight, bias)(x.reshape(-1, x.shape[-1]))
+            # more rows (a verification of 17+ activation rows, a prefill's logits): the kernels in chunks
+            out = dims.ops.Projection.dense(weight, bias)(x.reshape(-1, x.shape[-1]), exact)
             return out.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     if not isinstance(weight, tuple):  # the kernels' Projection (kernel_weights.py): holds its bias
-        return weight(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], weight.n)
+        return weight(x.reshape(-1, x.shape[-1]), exact).view(*x.shape[:-1], weight.n)
     if len(weight) == 1:  # bitsandbytes module: keeps its own bias and dtype handling
         return weight[0](x).to(x.dtype)
     return torch.cat([module(x) for module in weight], dim=-1).to(x.dtype)
