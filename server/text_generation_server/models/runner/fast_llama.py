@@ -104,12 +104,11 @@ class Dims:
 
 
 def linear(x: torch.Tensor, weight: Projection | cpu_kernels.Projection, bias: torch.Tensor | None,
-           dims: Dims) -> torch.Tensor:
-    """x `[rows, new, k]` @ weight. Forwards of at most MAX_ROWS new tokens per row (decode steps,
-    verifications, whatever the batch) take the kernels in chunks however many rows they carry
-    (`exact`): a row's result is then the one-row product's, so a verification equals its steps
-    and no row depends on the others. Longer ones (prefills) may take torch's GEMM where it is faster."""
-    exact = x.dim() == 3 and x.shape[1] <= cpu_kernels.MAX_ROWS
+           dims: Dims, exact: bool = False) -> torch.Tensor:
+    """x `[rows, new, k]` @ weight. `exact` (decode steps and verifications, whatever the batch):
+    dense products of any row count take the kernels in chunks, so a row's result is the one-row
+    product's and a verification equals its steps. Otherwise (prefills) many rows may take torch's
+    GEMM where it is faster."""
     if isinstance(weight, torch.Tensor):
         if dims.ops is not None and cpu_kernels.linear_usable(x, weight):
             out = dims.ops.small_m_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
@@ -142,6 +141,7 @@ def pre_attention(
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
     dims: Dims,
+    exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input norm, fused q/k/v projection, (Gemma q/k norms), RoPE.
 
@@ -149,7 +149,7 @@ def pre_attention(
     """
     rows, new, _ = h.shape
     num_qk = dims.num_heads + dims.num_kv_heads
-    qkv_out = linear(rms_norm(h, norm, dims), qkv, qkv_bias, dims)
+    qkv_out = linear(rms_norm(h, norm, dims), qkv, qkv_bias, dims, exact)
     qkv_out = qkv_out.view(rows, new, num_qk + dims.num_kv_heads, dims.head_dim)
     qk, v = qkv_out[:, :, :num_qk], qkv_out[:, :, num_qk:]
     if q_norm is not None and k_norm is not None:
@@ -176,19 +176,20 @@ def post_attention(
     down_bias: torch.Tensor | None,
     mlp_out_norm: torch.Tensor | None,
     dims: Dims,
+    exact: bool = False,
 ) -> torch.Tensor:
     """Output projection + residual, then the gated MLP + residual. Returns `[rows, new, hidden]`."""
-    out = linear(attn, o_proj, o_bias, dims)
+    out = linear(attn, o_proj, o_bias, dims, exact)
     if attn_out_norm is not None:
         out = rms_norm(out, attn_out_norm, dims)
     h = h + out
-    gate_up_out = linear(rms_norm(h, mlp_in_norm, dims), gate_up, gate_up_bias, dims)
+    gate_up_out = linear(rms_norm(h, mlp_in_norm, dims), gate_up, gate_up_bias, dims, exact)
     if dims.ops is not None and not dims.gelu:
         act_up = dims.ops.silu_mul(gate_up_out)
     else:
         gate, up = gate_up_out.chunk(2, dim=-1)
         act_up = (F.gelu(gate, approximate="tanh") if dims.gelu else F.silu(gate)) * up
-    out = linear(act_up, down, down_bias, dims)
+    out = linear(act_up, down, down_bias, dims, exact)
     if mlp_out_norm is not None:
         out = rms_norm(out, mlp_out_norm, dims)
     return h + out
@@ -328,20 +329,22 @@ class FastLlamaRunner:
         ropes = {key: table.gather(position_ids, max_position) for key, table in self.ropes.items()}
         masks: dict[int | None, torch.Tensor] = {
             window: additive_mask(attention_mask, new, window, self.dtype) for window in set(self.spec.sliding_windows)}
+        # A decode step or a verification (new tokens after a cache): products exact whatever the batch.
+        exact = cache.length > 0 and new <= cpu_kernels.MAX_ROWS
         for i, layer in enumerate(self.layers):
             if i in skip_layers:  # bypass: the hidden state passes through, no cache for it
                 if bypass_biases and i in bypass_biases:  # graceful: add the mean residual update
                     h = h + bypass_biases[i].to(h.dtype)
                 continue
             cos, sin = ropes[self.spec.rope_keys[i]]
-            h = self._layer(i, layer, h, cos, sin, masks[self.spec.sliding_windows[i]], cache, draft)
+            h = self._layer(i, layer, h, cos, sin, masks[self.spec.sliding_windows[i]], cache, draft, exact)
         cache.advance(new)
         if last_only:
             h = h[:, -1:]
-        return self._logits(h, head, draft)
+        return self._logits(h, head, draft, exact)
 
     def _layer(self, index: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               mask: torch.Tensor, cache: KVCache, draft: bool = False) -> torch.Tensor:
+               mask: torch.Tensor, cache: KVCache, draft: bool = False, exact: bool = False) -> torch.Tensor:
         rows, new, _ = h.shape
         dims = self.dims
         few = rows * new <= cpu_kernels.MAX_ROWS  # decode steps, draft verification, short prefills
@@ -355,7 +358,7 @@ class FastLlamaRunner:
                                              cache.length + new)
             return ops.decode_layer(h, *fused, k_cache, v_cache, cache.length, cos, sin, mask, dims.num_heads,
                                     dims.num_kv_heads, dims.eps, self.spec.attention_scale)
-        q, k, v = self._pre(h, cos, sin, *layer.pre, dims)  # [rows, new, heads, head_dim]
+        q, k, v = self._pre(h, cos, sin, *layer.pre, dims, exact)  # [rows, new, heads, head_dim]
         keys, values = cache.append(index, k.transpose(1, 2), v.transpose(1, 2))  # [rows, kv, total, dim]
         if dims.ops is not None and new <= cpu_kernels.MAX_ROWS:  # every verification: exact whatever the batch
             attn = dims.ops.decode_attention(q, keys, values, mask, self.spec.attention_scale)
@@ -363,7 +366,7 @@ class FastLlamaRunner:
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                                   scale=self.spec.attention_scale, enable_gqa=True)
             attn = attn.transpose(1, 2).reshape(rows, new, -1)  # [rows, new, heads * head_dim]
-        return self._post(h, attn, *layer.post, dims)
+        return self._post(h, attn, *layer.post, dims, exact)
 
     def _int8_drafts(self) -> tuple[cpu_kernels.CpuOps, list[FusedLayer]]:
         """The draft layers: each projection of the dense layers as LLM.int8() codes (per-row absmax
@@ -398,7 +401,8 @@ class FastLlamaRunner:
                         f"({key[1] * head.shape[1] / 2**20:.0f} MiB)")
         return made[1]
 
-    def _logits(self, h: torch.Tensor, head: torch.Tensor | None = None, draft: bool = False) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor, head: torch.Tensor | None = None, draft: bool = False,
+                exact: bool = False) -> torch.Tensor:
         h = rms_norm(h.contiguous(), self.final_norm, self.dims)
         # A verified-mode draft may pass a reduced head (rows of lm_head, see draft_head.py).
         full = self.head_projection if self.head_projection is not None else self.lm_head
@@ -407,7 +411,7 @@ class FastLlamaRunner:
         if (draft and self._dense_layers is not None and h.shape[0] * h.shape[1] <= cpu_kernels.MAX_ROWS
                 and isinstance(weights, torch.Tensor)):
             weights = self._int8_head(weights)
-        logits = linear(h, weights, None, self.dims)  # [rows, positions, vocab]
+        logits = linear(h, weights, None, self.dims, exact)  # [rows, positions, vocab]
         if self.spec.final_logit_softcap is not None:
             cap = self.spec.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
