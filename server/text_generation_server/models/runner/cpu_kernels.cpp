@@ -190,8 +190,8 @@ struct Projection {
   }
 
   // x [m, k] -> [m, n]. exact: dense products of any m in chunks on the kernels, never torch's GEMM,
-  // so that every row's result is what a one-row product gives (decode steps and verifications of
-  // any batch; the runner passes it for forwards of at most 16 new tokens per row).
+  // so that every row's result is what a one-row product gives (the runner passes it for decode
+  // steps and verifications: at most 16 new tokens per row after a cache, in a batch of any size).
   Tensor operator()(const Tensor& x_in, bool exact) const {
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "Projection: x must be [m, ", k, "], got ", x_in.sizes());
     check_float_dtype("Projection", x_in);
