@@ -31,7 +31,7 @@ $(STAMP): $(KERNEL_SOURCES) server/pyproject.toml router/pyproject.toml requirem
 	$(PIP) install -q --no-deps text-generation==0.7.0
 	# The fast runner's CPU kernels, every ISA variant compiled once (~1.5 min on 2 cores; none is
 	# run while building) so that no test or serve waits for them; each process imports the
-	# variant its CPU runs (avx2, avx512, avx512_vnni, avx512_bf16).
+	# variant its CPU runs (avx2, avx512, avx512_vnni, avx512_bf16, amx).
 	$(VENV)/bin/text-generation-server build-kernels \
 		|| echo "warning: the CPU kernels were not built; the fast runner will use torch's ops"
 	touch $(STAMP)

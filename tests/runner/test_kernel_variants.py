@@ -20,7 +20,7 @@ SAPPHIRE_RAPIDS = ZEN_4 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
 @pytest.mark.parametrize(("flags", "expected"), [(AVX2, "avx2"), (SKYLAKE_X, "avx512"), (ICE_LAKE, "avx512_vnni"),
-                                                 (ZEN_4, "avx512_bf16"), (SAPPHIRE_RAPIDS, "amx_bf16")])
+                                                 (ZEN_4, "avx512_bf16"), (SAPPHIRE_RAPIDS, "amx")])
 def test_auto_picks_the_best_variant_the_flags_allow(flags: set[str], expected: str) -> None:
     choice = cpu_kernels.choose("auto", flags, "x86_64")
     assert isinstance(choice, cpu_kernels.Variant) and choice.name == expected
@@ -41,7 +41,7 @@ def test_other_cpus_and_off_fall_back_to_torch_saying_why() -> None:
     assert cpu_kernels.choose("auto", {"avx", "sse4_2"}, "x86_64") == (
         "the CPU lacks avx2, fma, f16c (the least the kernels need: AVX2, FMA, F16C)")
     assert cpu_kernels.choose("off", SAPPHIRE_RAPIDS, "x86_64") == "TGI_CPU_KERNELS=off"
-    with pytest.raises(ValueError, match="TGI_CPU_KERNELS='sse2' is not one of auto, off, amx_bf16, avx512_bf16"):
+    with pytest.raises(ValueError, match="TGI_CPU_KERNELS='sse2' is not one of auto, off, amx, avx512_bf16"):
         cpu_kernels.choose("sse2", AVX2, "x86_64")
 
 
@@ -49,8 +49,8 @@ def test_only_the_bf16_variants_use_bf16_instructions() -> None:
     """fp32 kernels never depend on a bf16 instruction: below avx512_bf16, bf16 is widened by shifts."""
     for variant in cpu_kernels.VARIANTS:
         uses_bf16 = any("bf16" in flag for flag in variant.compiler_flags)
-        assert uses_bf16 == (variant.name in ("amx_bf16", "avx512_bf16")), variant
-    assert cpu_kernels.BY_NAME["amx_bf16"].compiler_flags[-2:] == ("-mamx-tile", "-mamx-bf16")  # GCC's spelling
+        assert uses_bf16 == (variant.name in ("amx", "avx512_bf16")), variant
+    assert cpu_kernels.BY_NAME["amx"].compiler_flags[-3:] == ("-mamx-tile", "-mamx-bf16", "-mamx-int8")  # GCC spells
 
 
 def test_build_compiles_every_variant_and_imports_none(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -88,8 +88,8 @@ def _disassembly(paths: list[Path]) -> str:
 @pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None, reason="the kernels are not built here")
 def test_no_variant_holds_instructions_above_its_level() -> None:
     """What the CPU executes is what it has: the shared bindings hold no vector extension at all,
-    the avx2 variant no AVX-512 register, only avx512_bf16 and amx_bf16 a bf16 instruction, and only
-    amx_bf16 a tile instruction."""
+    the avx2 variant no AVX-512 register, only avx512_bf16 and amx a bf16 instruction, and only
+    amx a tile instruction."""
     folder = cpu_kernels.build()
     bindings = _disassembly([folder / "bindings.o"])
     assert "%ymm" not in bindings and "%zmm" not in bindings
@@ -97,11 +97,12 @@ def test_no_variant_holds_instructions_above_its_level() -> None:
     assert "%ymm" in avx2 and "%zmm" not in avx2 and "%k1" not in avx2
     for name in ("avx512", "avx512_vnni", "avx512_bf16"):
         code = _disassembly(sorted((folder / name).glob("*.o")))
-        assert "tdpbf16ps" not in code and "ldtilecfg" not in code and ("bf16" in code) == (name == "avx512_bf16")
+        assert "ldtilecfg" not in code and "tdpb" not in code and ("bf16" in code) == (name == "avx512_bf16")
     assert "vpdpbusd" in _disassembly(sorted((folder / "avx512_vnni").glob("*.o")))
     assert "vdpbf16ps" in _disassembly(sorted((folder / "avx512_bf16").glob("*.o")))
-    if kernel_build.unsupported(folder, "amx_bf16") is None:  # a compiler without AMX's flags skips it
-        assert "tdpbf16ps" in _disassembly(sorted((folder / "amx_bf16").glob("*.o")))
+    if kernel_build.unsupported(folder, "amx") is None:  # a compiler without AMX's flags skips it
+        code = _disassembly(sorted((folder / "amx").glob("*.o")))
+        assert "tdpbf16ps" in code and "tdpbssd" in code
 
 
 def test_amx_flags_count_only_where_the_os_grants_the_tile_data(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,7 +113,7 @@ def test_amx_flags_count_only_where_the_os_grants_the_tile_data(monkeypatch: pyt
     refused = cpu_kernels.cpu_flags()
     assert not any(flag.startswith("amx") for flag in refused)
     assert refused == {flag for flag in flags if not flag.startswith("amx")}
-    assert "amx_bf16" not in [v.name for v in cpu_kernels.runnable_variants()]
+    assert "amx" not in [v.name for v in cpu_kernels.runnable_variants()]
 
 
 def test_a_variant_the_compiler_cannot_build_is_skipped_saying_why(monkeypatch: pytest.MonkeyPatch,
@@ -128,16 +129,16 @@ def test_a_variant_the_compiler_cannot_build_is_skipped_saying_why(monkeypatch: 
         (f"error: unrecognized command-line option '{f}'" for f in flags if f.startswith("-mamx")), None))
     folder = tmp_path / "k"
     kernel_build.build(folder, {v.name: v.compiler_flags for v in cpu_kernels.VARIANTS})
-    assert not kernel_build.module_path(folder, "amx_bf16").exists()
-    assert kernel_build.unsupported(folder, "amx_bf16") == (
-        "g++-10 does not take " + " ".join(cpu_kernels.BY_NAME["amx_bf16"].compiler_flags)
+    assert not kernel_build.module_path(folder, "amx").exists()
+    assert kernel_build.unsupported(folder, "amx") == (
+        "g++-10 does not take " + " ".join(cpu_kernels.BY_NAME["amx"].compiler_flags)
         + ": error: unrecognized command-line option '-mamx-tile'")
     for name in ("avx512_bf16", "avx512_vnni", "avx512", "avx2"):
         assert kernel_build.module_path(folder, name).exists() and kernel_build.unsupported(folder, name) is None
     monkeypatch.setattr(kernel_build, "accepts", lambda cxx, flags: None)  # a newer compiler
-    kernel_build.build(folder, {"amx_bf16": cpu_kernels.BY_NAME["amx_bf16"].compiler_flags})
-    assert kernel_build.module_path(folder, "amx_bf16").exists()
-    assert kernel_build.unsupported(folder, "amx_bf16") is None
+    kernel_build.build(folder, {"amx": cpu_kernels.BY_NAME["amx"].compiler_flags})
+    assert kernel_build.module_path(folder, "amx").exists()
+    assert kernel_build.unsupported(folder, "amx") is None
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler here")

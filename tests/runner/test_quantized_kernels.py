@@ -17,6 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from text_generation_server.models.runner import cpu_kernels
+
 from .test_cpu_kernels import ops  # noqa: F401 - the per-variant fixture
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -109,6 +111,25 @@ def test_int8_equals_bitsandbytes_matmul(ops, threshold: float, n: int, k: int) 
             expected = bnb.matmul(x, codes, state=state, bias=with_bias)
             error = _relative(projection(x), expected)
             assert error <= 1e-6, f"int8 [{n}, {k}] threshold {threshold}, {rows} rows: error {error}"
+
+
+def test_int8_is_the_same_on_every_variant() -> None:
+    """LLM.int8()'s int part is exact in int32 on every variant (maddubs, VNNI, AMX tiles) and the
+    steps after it are the same fp32 operations in one order: the outputs are equal bit for bit."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(300, 4864 + 33, generator=generator) / 70  # row tails, a 9-row last tile of 16
+    codes, scales, _ = _bnb_int8(weight, 6.0)
+    bias = torch.randn(300, generator=generator)
+    x = torch.randn(16, weight.shape[1], generator=generator) * 2
+    x[3, 100] = x[9, 2000] = 8.0  # outlier columns
+    outputs = {}
+    for variant in cpu_kernels.runnable_variants():
+        projection = cpu_kernels.load_variant(variant.name).Projection.int8(codes, scales, bias, 6.0)
+        outputs[variant.name] = [projection(x[:rows]) for rows in (1, 2, 5, 7, 16)]
+    first, *others = outputs
+    for name in others:
+        for a, b in zip(outputs[first], outputs[name], strict=True):
+            assert torch.equal(a, b), f"{first} and {name} differ"
 
 
 @pytest.mark.filterwarnings("ignore")

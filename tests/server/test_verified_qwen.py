@@ -1,5 +1,5 @@
 """Verified mode on a real redundant model, Qwen2.5-Coder-0.5B-Instruct (float32, or the dtype in
-TGI_VERIFIED_DTYPE: bfloat16 takes its own shipped policy, and the amx_bf16 kernels on AMX CPUs),
+TGI_VERIFIED_DTYPE: bfloat16 takes its own shipped policy, and the amx kernels on AMX CPUs),
 with its shipped policy (reduced draft head, calibrated skip set) and both drafters: greedy
 output equals `off` token for token, alone and in a batch that mixes off, shadow, verified and
 --speculate rows.

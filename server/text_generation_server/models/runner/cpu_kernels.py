@@ -69,7 +69,8 @@ _AVX2 = ("avx2", "fma", "f16c")
 _AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
 _AVX512_BF16 = (*_AVX512, "avx512_vnni", "avx512_bf16")
 VARIANTS = (  # best first
-    Variant("amx_bf16", (*_AVX512_BF16, "amx_tile", "amx_bf16")),  # bf16 products on AMX tiles (kernels/amx.h)
+    # bf16 and LLM.int8() products on AMX tiles (kernels/amx.h)
+    Variant("amx", (*_AVX512_BF16, "amx_tile", "amx_bf16", "amx_int8")),
     Variant("avx512_bf16", _AVX512_BF16),
     Variant("avx512_vnni", (*_AVX512, "avx512_vnni")),
     Variant("avx512", _AVX512),

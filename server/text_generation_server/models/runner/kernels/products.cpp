@@ -1,6 +1,6 @@
 // Dense few-row products on the formats of blocks.h: fp32 weights (FMA), bf16 weights (widened
 // by a shift, the AVX-512 BF16 pair dot product in the avx512_bf16 variant, or AMX tiles in the
-// amx_bf16 variant: amx.h), and weight-only int8 in blocks. See blocks.h for the design.
+// amx variant: amx.h), and weight-only int8 in blocks. See blocks.h for the design.
 #include <cstring>
 
 #include "amx.h"
@@ -75,9 +75,9 @@ void linear_f32(const float* x, const float* w, const float* bias, float* y, int
 
 void linear_bf16(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t m, int64_t k,
                  int64_t n) {
-#if defined(__AMX_BF16__)
+#if defined(TGI_AMX)
   if (amx::permitted()) {
-    amx::run(x, w, m, k, n, bias, y);
+    amx::bf16(x, w, m, k, n, bias, y);
     return;
   }
 #endif

@@ -21,17 +21,20 @@
 // of fp32 operations, so the result equals bitsandbytes' up to the order of the outlier sum.
 // The int8 dot products: AVX2 and AVX-512BW move x's sign onto w and sum |x| * w with maddubs
 // (|x|, |w| <= 127: pairs never saturate); AVX-512 VNNI sums (x + 128) * w with vpdpbusd and
-// takes back 128 * sum(w) (each weight row's sum is kept with the weight). A weight chunk is
+// takes back 128 * sum(w) (each weight row's sum is kept with the weight); AMX's TDPBSSD multiplies
+// x and w as they are, 16 weight rows x all x rows per instruction (amx.h). A weight chunk is
 // loaded once for a tile of x rows.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "blocks.h"
 #include "kernels.h"
 
@@ -276,65 +279,119 @@ inline F to_fp16_and_back(F value) {
 #endif
 }
 
+// |v| with the lanes at or above `limit` zeroed, and those lanes as bits (NaN is neither).
+inline F below(F v, F limit, uint32_t& above) {
+#if defined(__AVX512F__)
+  const F magnitude = _mm512_abs_ps(v);
+  const __mmask16 mask = _mm512_cmp_ps_mask(magnitude, limit, _CMP_GE_OQ);
+  above = mask;
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~mask), magnitude);
+#else
+  const F magnitude = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  const F mask = _mm256_cmp_ps(magnitude, limit, _CMP_GE_OQ);
+  above = static_cast<uint32_t>(_mm256_movemask_ps(mask));
+  return _mm256_andnot_ps(mask, magnitude);
+#endif
+}
+
+inline float hmax(F v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(v);
+#else
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#endif
+}
+
+// kLanes values rounded to integers as std::nearbyint rounds them (the default mode: to nearest,
+// ties to even), stored as int8 at `out` (saturated: the values quantized here lie within
+// +-127; an outlier column's may not, and is zeroed afterwards).
+inline void store_int8(F value, int8_t* out) {
+#if defined(__AVX512F__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(value)));
+#else
+  const __m256i words = _mm256_cvtps_epi32(value);
+  const __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(halves, halves));
+#endif
+}
+
+// x + 128 (VNNI) or |x| (maddubs) of kBytes int8 values.
+inline void store_unsigned(const int8_t* x, uint8_t* out) {
+#if defined(__AVX512VNNI__)
+  _mm512_storeu_si512(out, _mm512_xor_si512(simd::load_i(x), _mm512_set1_epi8(static_cast<char>(0x80))));
+#elif defined(__AVX512F__)
+  _mm512_storeu_si512(out, _mm512_abs_epi8(simd::load_i(x)));
+#else
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_abs_epi8(simd::load_i(x)));
+#endif
+}
+
 // Rows in parallel (a prefill's thousand rows of k = 4864 took 32 ms on one thread, more than
 // the products of that projection): first the fp16 values, each row's scale and the outlier
-// columns (flags per task, merged), then the quantized rows; raw pointers in the loops (int8
-// stores may alias a vector's fields, which GCC then reloaded for every element).
-QuantizedX quantize_rows(const float* x, int64_t m, int64_t k, float threshold) {
+// columns (flags per task, merged), then the quantized rows, in vectors (scalar loops here cost
+// 90 us for 8 rows of k = 4864, a third of that projection's weight stream). `unsigned_too`: the
+// layout of the AVX dot products as well (AMX's tiles read the signed values alone).
+QuantizedX quantize_rows(const float* x, int64_t m, int64_t k, float threshold, bool unsigned_too) {
   QuantizedX q{blocks::round_up(k, kBytes), {}, {}, std::vector<float>(m, 0.0f), {}};
   std::vector<float> half(m * k);
   std::vector<char> outlier(k, 0);
   std::mutex merge;
   const float limit = to_fp16_and_back(threshold);  // compared in fp16, as torch compares an fp16 tensor
-  const bool check = threshold > 0.0f;
+  const F limits = simd::set1(threshold > 0.0f ? limit : std::numeric_limits<float>::infinity());
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k));
+  const int64_t whole = k / simd::kLanes * simd::kLanes;
   at::parallel_for(0, m, grain, [&](int64_t j0, int64_t j1) {
     std::vector<char> mine(k, 0);
+    bool any = false;
     for (int64_t j = j0; j < j1; ++j) {
       const float* row = x + j * k;
       float* h = half.data() + j * k;
-      int64_t c = 0;
-      for (; c + simd::kLanes <= k; c += simd::kLanes) simd::store(h + c, to_fp16_and_back(simd::load(row + c)));
-      for (; c < k; ++c) h[c] = to_fp16_and_back(row[c]);
-      float scale = 0.0f;  // in a register: through q.scales, each element waited for the last store
-      for (c = 0; c < k; ++c) {
+      F scale = simd::zero();
+      for (int64_t c = 0; c < whole; c += simd::kLanes) {
+        const F value = to_fp16_and_back(simd::load(row + c));
+        simd::store(h + c, value);
+        uint32_t above;
+        scale = simd::max_(below(value, limits, above), scale);  // a NaN magnitude leaves the scale
+        for (; above; above &= above - 1) mine[c + __builtin_ctz(above)] = any = true;
+      }
+      float tail = 0.0f;
+      for (int64_t c = whole; c < k; ++c) {
+        h[c] = to_fp16_and_back(row[c]);
         const float magnitude = std::fabs(h[c]);
-        if (check && magnitude >= limit) {
-          mine[c] = 1;
+        if (threshold > 0.0f && magnitude >= limit) {
+          mine[c] = any = true;
         } else {
-          scale = std::max(scale, magnitude);
+          tail = std::max(tail, magnitude);
         }
       }
-      q.scales[j] = scale;
+      q.scales[j] = std::max(hmax(scale), tail);
     }
+    if (!any) return;
     const std::lock_guard<std::mutex> lock(merge);
     for (int64_t c = 0; c < k; ++c) outlier[c] |= mine[c];
   });
   for (int64_t c = 0; c < k; ++c)
     if (outlier[c]) q.outliers.push_back(c);
-  q.unsigned_part.assign(m * q.padded_k, 0);
   q.signs.assign(m * q.padded_k, 0);
+  if (unsigned_too) q.unsigned_part.assign(m * q.padded_k, 0);
   at::parallel_for(0, m, grain, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
-      // torch's `127.0 / row_stats` is `row_stats.reciprocal() * 127.0`: two roundings.
-      const float factor = (1.0f / q.scales[j]) * 127.0f;
-      const bool zero = q.scales[j] == 0.0f;
-      const float* h = half.data() + j * k;
-      const char* skip = outlier.data();
       int8_t* signs = q.signs.data() + j * q.padded_k;
-      uint8_t* unsigned_part = q.unsigned_part.data() + j * q.padded_k;
-      for (int64_t c = 0; c < k; ++c) {
-        const int8_t v = skip[c] || zero ? 0 : static_cast<int8_t>(std::nearbyint(h[c] * factor));
-        signs[c] = v;
-#if defined(__AVX512VNNI__)
-        unsigned_part[c] = static_cast<uint8_t>(v + 128);
-#else
-        unsigned_part[c] = static_cast<uint8_t>(v < 0 ? -v : v);
-#endif
+      if (q.scales[j] != 0.0f) {  // else every value is 0
+        // torch's `127.0 / row_stats` is `row_stats.reciprocal() * 127.0`: two roundings.
+        const float factor = (1.0f / q.scales[j]) * 127.0f;
+        const float* h = half.data() + j * k;
+        const F factors = simd::set1(factor);
+        for (int64_t c = 0; c < whole; c += simd::kLanes) store_int8(simd::mul(simd::load(h + c), factors), signs + c);
+        for (int64_t c = whole; c < k; ++c) signs[c] = static_cast<int8_t>(std::nearbyint(h[c] * factor));
+        for (const int64_t c : q.outliers) signs[c] = 0;
       }
-#if defined(__AVX512VNNI__)
-      for (int64_t c = k; c < q.padded_k; ++c) unsigned_part[c] = 128;  // padding is x = 0
-#endif
+      if (unsigned_too) {  // the padding too: x = 0 there
+        uint8_t* unsigned_part = q.unsigned_part.data() + j * q.padded_k;
+        for (int64_t c = 0; c < q.padded_k; c += kBytes) store_unsigned(signs + c, unsigned_part + c);
+      }
     }
   });
   return q;
@@ -436,7 +493,15 @@ void linear_int8(const float* x, const Int8Weight& w, const float* bias, float* 
                  float threshold, bool round_bf16) {
   const float to_float = static_cast<float>(6.200124e-05);  // bitsandbytes' 1 / 127^2 (a double, used as fp32)
   const float to_weight = static_cast<float>(7.874015718698502e-3);  // its 1 / 127
-  const QuantizedX q = quantize_rows(x, m, k, threshold);
+#if defined(TGI_AMX)
+  // Below 5 x rows the VNNI dot products stream the weights faster than the tiles (0.5B-shaped
+  // layers, 1 / 4 / 5 / 8 rows: tiles 3.98 / 3.09 / 3.15 / 3.44 ms, VNNI 3.74 / 2.79 / 3.47 / 4.16);
+  // the sums are the same exact integers either way.
+  const bool on_tiles = m >= 5 && amx::permitted();
+#else
+  constexpr bool on_tiles = false;
+#endif
+  const QuantizedX q = quantize_rows(x, m, k, threshold, !on_tiles);
   const int64_t outliers = static_cast<int64_t>(q.outliers.size());
   // x's outlier columns, [outlier][row] (rows padded to whole vectors): the outlier sums run over
   // x rows in vector lanes, for R weight rows at once, each row's sum over the columns in their
@@ -492,6 +557,18 @@ void linear_int8(const float* x, const Int8Weight& w, const float* bias, float* 
       for (int64_t j = 0; j < m; ++j)
         finish(j, row + r, block_sums[r * m + j], outliers ? extra[r * padded_m + j] : 0.0f);
   };
+#if defined(TGI_AMX)
+  if (on_tiles) {  // the same sums from the tiles, each weight row finished while in the cache
+    amx::int8_rows(w.codes, k, n, q.signs.data(), m, q.padded_k, [&] {
+      return [&, weights = std::vector<float>(outliers), extra = simd::Buffer<float>(outliers ? padded_m : 0)](
+                 int64_t row, const int32_t* sums) mutable {
+        if (outliers) outlier_sums.template operator()<1>(row, weights.data(), extra.data());
+        for (int64_t j = 0; j < m; ++j) finish(j, row, sums[j], outliers ? extra[j] : 0.0f);
+      };
+    });
+    return;
+  }
+#endif
   const int64_t blocks = (n + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, 4 * k));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
