@@ -41,10 +41,10 @@ if TYPE_CHECKING:
 
 KINDS = ("float32", "bfloat16", "4bit", "4bit-bfloat16", "int8")  # weight formats of the fast runner's projections
 # (4bit: bitsandbytes 4-bit with an fp32 compute dtype; 4bit-bfloat16: with bf16, which the avx512_bf16 variant
-# multiplies with its bf16 dot product)
+# multiplies with its bf16 dot product and the amx variant on tiles)
 EXTENSIONS = ("avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")  # CPU flags beyond AVX-512F
 EXTENSIONS_USED = {"float32": (), "bfloat16": ("avx512_bf16", "amx_tile", "amx_bf16"), "4bit": (),
-                   "4bit-bfloat16": ("avx512_bf16",),
+                   "4bit-bfloat16": ("avx512_bf16", "amx_tile", "amx_bf16"),
                    "int8": ("avx512_vnni", "amx_tile", "amx_int8")}  # what each kind's kernels use (variants_for)
 CHOICES_FILE = "choices.json"
 MARGIN = 0.97  # a narrower variant must take at most this share of a wider one's time

@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -172,6 +173,27 @@ inline void block(const uint8_t* w, int64_t row_bytes, int64_t row, int64_t spre
   _tile_stored(3, &sums[3][0][0], 64);
 }
 
+// As block, for weights made per tile: decode(c, tile) writes bytes [c, c + 64) of the block's 16
+// rows (`row_bytes` each, a multiple of 64) into `tile`, which the tile unit then loads from L1
+// (two tiles in turns, so that decoding the next does not wait for the load of the last).
+template <Dot kDot, typename Sum, typename Decode>
+inline void decoded_block(int64_t row_bytes, const PackedX& x, const Decode& decode, Sum (&sums)[kSums][kTile][kTile]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  alignas(64) uint8_t tiles[2][kTile][kTileBytes];
+  for (int64_t c = 0; c < row_bytes; c += kTileBytes) {
+    const int64_t i = c / kTileBytes;
+    decode(c, tiles[i & 1]);
+    multiply_any<kDot>(i, x, c, &tiles[i & 1][0][0], kTileBytes);
+  }
+  _tile_stored(0, &sums[0][0][0], 64);
+  _tile_stored(1, &sums[1][0][0], 64);
+  _tile_stored(2, &sums[2][0][0], 64);
+  _tile_stored(3, &sums[3][0][0], 64);
+}
+
 // A block's 16 weight rows lie n / 16 rows apart (rounded up: `spread`), and block b holds rows b,
 // b + spread, ..: each of a tile's 16 rows then continues where the previous block's left off, so
 // a thread's blocks read 16 long sequential streams, which the hardware prefetchers follow. Blocks
@@ -193,44 +215,88 @@ void blocks_in_parallel(int64_t n, int64_t row_bytes, int64_t m, const Body& bod
   });
 }
 
-// The whole bf16 product on the tiles. The sums of 16 consecutive blocks are kept, so that each x
-// row's outputs are written 16 neighbours at a time. Output y[j, row] = ((s0 + s1) + s2) + s3 (+
-// bias) for the sums s of that weight row and x row j.
+// Output y[j, start + q] for q < count (<= 16) of x row j: fp32 (Y = float) or rounded to bf16.
+template <typename Y>
+inline void store_outputs(Y* y, int64_t n, int64_t j, int64_t start, int64_t count, __m512 value) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+  if constexpr (std::is_same_v<Y, float>) {
+    _mm512_mask_storeu_ps(y + j * n + start, mask, value);
+  } else {
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(simd::round_to_bf16(value)), 16);
+    _mm256_mask_storeu_epi16(y + j * n + start, mask, _mm512_cvtepi32_epi16(bits));
+  }
+}
+
+// The four sums of a block in a fixed order: total[i][j] = ((s0 + s1) + s2) + s3.
+inline void add_sums(const float (&sums)[kSums][kTile][kTile], float (&total)[kTile][kTile]) {
+  for (int64_t i = 0; i < kTile; ++i)
+    _mm512_store_ps(total[i], _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_load_ps(sums[0][i]),
+                                                                       _mm512_load_ps(sums[1][i])),
+                                                         _mm512_load_ps(sums[2][i])),
+                                           _mm512_load_ps(sums[3][i])));
+}
+
+// A bf16 product on the tiles, y [m, n] fp32 (Y = float) or rounded to bf16 (Y = uint16_t), y[j,
+// row] = the block's total for that weight row and x row j (+ bias). Each task calls `task()`
+// once for its block function, block(b, rows, sums), which leaves the four sums of block b (its
+// `rows` weight rows against every x row) in `sums`. kSpread: block b holds weight rows b + i *
+// spread (see above), and the totals of 16 consecutive blocks are kept, so that each x row's
+// outputs are written 16 neighbours at a time; else block b holds rows 16 b + i.
+template <bool kSpread, typename Y, typename Task>
+void bf16_blocks(int64_t m, int64_t n, int64_t row_bytes, const float* bias, Y* y, const Task& task) {
+  const int64_t spread = spread_of(n);
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  // lane q: element [q][0][0] of a [16][16][16] array, or [q][0] of a [16][16] one
+  const __m512i blocks_apart = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(kTile * kTile));
+  const __m512i rows_apart = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(kTile));
+  auto biases = [&](int64_t start, int64_t count) {
+    return bias ? _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1), bias + start) : _mm512_setzero_ps();
+  };
+  blocks_in_parallel(n, row_bytes, m, [&](int64_t b0, int64_t b1) {
+    auto block_of = task();
+    alignas(64) float sums[kSums][kTile][kTile];
+    if constexpr (!kSpread) {
+      alignas(64) float total[kTile][kTile];  // [weight row i of the block][x row j]
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t start = b * kTile, count = std::min(kTile, n - start);
+        block_of(b, count, sums);
+        add_sums(sums, total);
+        const __m512 bias_rows = biases(start, count);
+        for (int64_t j = 0; j < m; ++j)
+          store_outputs(y, n, j, start, count,
+                        _mm512_add_ps(_mm512_i32gather_ps(rows_apart, &total[0][j], 4), bias_rows));
+      }
+      return;
+    }
+    alignas(64) float kept[kTile][kTile][kTile];  // [block q of 16][weight row i of the block][x row j]
+    for (int64_t first = b0; first < b1; first += kTile) {
+      const int64_t count = std::min(kTile, b1 - first);
+      for (int64_t q = 0; q < count; ++q) {
+        block_of(first + q, rows_of_block(first + q, n, spread), sums);
+        add_sums(sums, kept[q]);
+      }
+      // Weight rows first + q + i * spread for q < count are neighbours in y: one store per x row.
+      for (int64_t i = 0; i < kTile && first + i * spread < n; ++i) {
+        const int64_t start = first + i * spread, outputs = std::min(count, n - start);
+        const __m512 bias_rows = biases(start, outputs);
+        for (int64_t j = 0; j < m; ++j)
+          store_outputs(y, n, j, start, outputs,
+                        _mm512_add_ps(_mm512_i32gather_ps(blocks_apart, &kept[0][i][j], 4), bias_rows));
+      }
+    }
+  });
+}
+
+// bf16 weights [n, k] as they lie: each block's tiles are loaded from the weight rows in place.
 inline void bf16(const uint16_t* x_rows, const uint16_t* w, int64_t m, int64_t k, int64_t n, const float* bias,
                  uint16_t* y) {
   const PackedX x(x_rows, m, m, k * 2, k * 2);
   const int64_t spread = spread_of(n);
   const auto* bytes = reinterpret_cast<const uint8_t*>(w);
-  // lane q: element [q][0][0] of a [16][16][16] array
-  const __m512i blocks_apart = _mm512_mullo_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(kTile * kTile));
-  blocks_in_parallel(n, k * 2, m, [&](int64_t b0, int64_t b1) {
-    alignas(64) float sums[kSums][kTile][kTile];
-    alignas(64) float kept[kTile][kTile][kTile];  // [block q of 16][weight row i of the block][x row j]
-    for (int64_t first = b0; first < b1; first += kTile) {
-      const int64_t count = std::min(kTile, b1 - first);
-      for (int64_t q = 0; q < count; ++q) {
-        const int64_t row = first + q;
-        block<Dot::kBf16>(bytes, k * 2, row, spread, rows_of_block(row, n, spread), x, sums);
-        for (int64_t i = 0; i < kTile; ++i) {  // the four sums, in a fixed order
-          _mm512_store_ps(kept[q][i], _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_load_ps(sums[0][i]),
-                                                                               _mm512_load_ps(sums[1][i])),
-                                                                 _mm512_load_ps(sums[2][i])),
-                                                   _mm512_load_ps(sums[3][i])));
-        }
-      }
-      // Weight rows first + q + i * spread for q < count are neighbours in y: one store per x row.
-      for (int64_t i = 0; i < kTile && first + i * spread < n; ++i) {
-        const int64_t start = first + i * spread;
-        const __mmask16 mask = static_cast<__mmask16>((1u << std::min(count, n - start)) - 1);
-        const __m512 bias_rows = bias ? _mm512_maskz_loadu_ps(mask, bias + start) : _mm512_setzero_ps();
-        for (int64_t j = 0; j < m; ++j) {
-          const __m512 value = _mm512_add_ps(_mm512_i32gather_ps(blocks_apart, &kept[0][i][j], 4), bias_rows);
-          const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(simd::round_to_bf16(value)), 16);
-          _mm256_mask_storeu_epi16(y + j * n + start, mask, _mm512_cvtepi32_epi16(bits));
-        }
-      }
-    }
+  bf16_blocks<true>(m, n, k * 2, bias, y, [&] {
+    return [&](int64_t b, int64_t rows, float (&sums)[kSums][kTile][kTile]) {
+      block<Dot::kBf16>(bytes, k * 2, b, spread, rows, x, sums);
+    };
   });
 }
 
