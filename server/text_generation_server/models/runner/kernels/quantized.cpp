@@ -81,11 +81,6 @@ struct Decoder {
                                              _mm256_and_si256(words, _mm256_set1_epi16(15)), 1);
     return _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(values));
   }
-  void bf16(const uint8_t* codes, F scale, __m256i (&out)[2]) const {
-    const __m512i both = bf16(codes, scale);
-    out[0] = _mm512_castsi512_si256(both);
-    out[1] = _mm512_extracti64x4_epi64(both, 1);
-  }
 #endif
 };
 #else
@@ -149,9 +144,6 @@ struct FourBit {
     decoder.fp32<kRound>(codes(row, c), scale(row, c), out);
   }
 #if defined(__AVX512BF16__)
-  void chunk_bf16(int64_t row, int64_t c, __m256i (&out)[2]) const {
-    decoder.bf16(codes(row, c), scale(row, c), out);
-  }
   __m512i chunk_bf16(int64_t row, int64_t c) const { return decoder.bf16(codes(row, c), scale(row, c)); }
 #endif
 };
@@ -209,9 +201,7 @@ inline void decode_into(const FourBit& w, int64_t row, int64_t c, float* out) {
 // multiplied with vdpbf16ps (kRound is implied: bf16 values are rounded values).
 template <bool kRound>
 inline void decode_into(const FourBit& w, int64_t row, int64_t c, uint16_t* out) {
-  __m256i v[2];
-  w.chunk_bf16(row, c, v);
-  for (int i = 0; i < 2; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * i), v[i]);
+  _mm512_storeu_si512(out, w.chunk_bf16(row, c));
 }
 
 // One x row of bf16 values: 32 products per vdpbf16ps, two sums.
@@ -219,8 +209,8 @@ template <bool kRound>
 void four_bit_one_row(const FourBit& w, const uint16_t* x, const float* bias, float* y, int64_t row) {
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t c = 0; c < w.k; c += kChunk4) {
-    __m256i v[2];
-    w.chunk_bf16(row, c, v);
+    const __m512i both = w.chunk_bf16(row, c);
+    const __m256i v[2] = {_mm512_castsi512_si256(both), _mm512_extracti64x4_epi64(both, 1)};
     for (int i = 0; i < 2; ++i) {
       const __m256i xi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + c + 16 * i));
       acc[i] = _mm256_dpbf16_ps(acc[i], reinterpret_cast<__m256bh>(v[i]), reinterpret_cast<__m256bh>(xi));
@@ -367,8 +357,9 @@ QuantizedX quantize_rows(const float* x, int64_t m, int64_t k, float threshold, 
   std::vector<float> half(m * k);
   std::vector<char> outlier(k, 0);
   std::mutex merge;
-  const float limit = to_fp16_and_back(threshold);  // compared in fp16, as torch compares an fp16 tensor
-  const F limits = simd::set1(threshold > 0.0f ? limit : std::numeric_limits<float>::infinity());
+  // compared in fp16, as torch compares an fp16 tensor; no threshold: NaN, which no |x| reaches (inf neither)
+  const float limit = threshold > 0.0f ? to_fp16_and_back(threshold) : std::numeric_limits<float>::quiet_NaN();
+  const F limits = simd::set1(limit);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k));
   const int64_t whole = k / simd::kLanes * simd::kLanes;
   at::parallel_for(0, m, grain, [&](int64_t j0, int64_t j1) {
@@ -389,7 +380,7 @@ QuantizedX quantize_rows(const float* x, int64_t m, int64_t k, float threshold, 
       for (int64_t c = whole; c < k; ++c) {
         h[c] = to_fp16_and_back(row[c]);
         const float magnitude = std::fabs(h[c]);
-        if (threshold > 0.0f && magnitude >= limit) {
+        if (magnitude >= limit) {
           mine[c] = any = true;
         } else {
           tail = std::max(tail, magnitude);
