@@ -27,7 +27,7 @@ namespace tgi::blocks {
 using simd::F;
 constexpr int kRows = 4;  // weight rows per block
 #if defined(__AVX512F__)
-constexpr int kTileLimit = 4;  // x rows per register tile (32 vector registers)
+constexpr int kTileLimit = 6;  // x rows per register tile (32 vector registers: 4 x 6 sums + 4 weights + x)
 #else
 constexpr int kTileLimit = 2;  // 16 vector registers: 4 x 2 sums + 4 weight vectors + 1 x vector
 #endif
@@ -50,9 +50,13 @@ struct Prepared {
 struct F32Weights {
   using X = float;
   static constexpr int64_t kChunk = simd::kLanes;
-  static constexpr int kMaxTile = 4;
+  static constexpr int kMaxTile = 6;  // AVX-512: a 5- or 6-token verification in one tile (AVX2: kTileLimit, 2)
   static constexpr int kTallTile = 6;  // AVX2, pairs of weight rows: 12 sums + 2 weights + x
-  static constexpr int kWideTile = 0;  // see wide_rows: pairs lost to 4 x 4 tiles here (x rows in fp32 fill L1)
+#if defined(__AVX512F__)
+  static constexpr int kWideTile = 12, kWideMax = 12;  // wide_rows for 7..12 x rows
+#else
+  static constexpr int kWideTile = 0;  // see wide_rows: pairs lost to 4 x 2 tiles on AVX2 (x rows in fp32 fill L1)
+#endif
   struct Vals { F v; };
   const float* w;
   int64_t k;
@@ -87,7 +91,7 @@ struct Bf16Weights {
   static constexpr int64_t kChunk = 16;
   static constexpr int kMaxTile = 4;
   static constexpr int kTallTile = 4;  // unused (AVX-512)
-  static constexpr int kWideTile = 12;  // wide_rows: 24 sums + 2 weights + x of 32 vector registers
+  static constexpr int kWideTile = 12, kWideMax = 16;  // wide_rows: 24 sums + 2 weights + x of 32 vector registers
   struct Vals { __m256i v; };
   const uint16_t* w;
   int64_t k;
@@ -117,9 +121,13 @@ struct Bf16Weights {
 struct Bf16Weights {
   using X = float;
   static constexpr int64_t kChunk = 2 * simd::kLanes;
-  static constexpr int kMaxTile = 4;  // AVX-512: 4 x 4 sums + 8 weight vectors (AVX2: kTileLimit, 2)
+  static constexpr int kMaxTile = 5;  // AVX-512: 4 x 5 sums + 8 weight vectors + x (AVX2: kTileLimit, 2)
   static constexpr int kTallTile = 5;  // AVX2, pairs of weight rows: 10 sums + 4 weights + x
+#if defined(__AVX512F__)
+  static constexpr int kWideTile = 12, kWideMax = 12;
+#else
   static constexpr int kWideTile = 0;  // x rows in fp32, as F32Weights
+#endif
   struct Vals { F lo, hi; };
   const uint16_t* w;
   int64_t k;
@@ -280,6 +288,10 @@ inline void tiles(const W& w, const Prepared<typename W::X>& x, int64_t m, int64
   });
 }
 
+// x rows per tile of kRows weight rows: what the registers hold, or less where a format says so.
+template <class W>
+constexpr int tile_of = std::min(kTileLimit, W::kMaxTile);
+
 // Weight rows row .. row + R against every x row. With 16 vector registers (AVX2) a block of 4
 // weight rows leaves room for 2 x rows per tile; from 3 x rows on, pairs of weight rows in
 // tiles of W::kTallTile x rows load each weight chunk fewer times (3..6 rows: once).
@@ -294,18 +306,20 @@ inline void rows_against_all_x(const W& w, const Prepared<typename W::X>& x, int
     }
   }
 #endif
-  tiles<W, R, std::min(kTileLimit, W::kMaxTile)>(w, x, m, k, y, n, row, bias);
+  tiles<W, R, tile_of<W>>(w, x, m, k, y, n, row, bias);
 }
 
-// Weight rows row .. row + kRows against more x rows than one tile of kTileLimit, for a format
-// with W::kWideTile > 0 (bf16 weights on the avx512_bf16 variant): pairs of weight rows against
-// up to kWideTile x rows at once (13-16 x rows: two tiles of up to 8), so every weight chunk read
-// from memory is used for every x row while it is in registers, and the weight stream overlaps
-// the arithmetic throughout. In 4 x 4 tiles the first tile waits on memory and the others on the
-// FMA units, one after the other: on the 0.5B's shapes (bf16, 2 threads, a Zen 4) 8 x rows took
-// 1.60x one row's time that way and 1.24x in pairs, 16 rows 2.95x and 2.49x. fp32 x rows (the
-// other formats) are twice the bytes and the pairs' x stream leaves L1: they lost there (8 rows
-// 81 -> 93 ms), so those formats keep 4 x 4 tiles.
+// Weight rows row .. row + kRows against more x rows than one tile (tile_of), up to W::kWideMax,
+// for a format with W::kWideTile > 0 (bf16 weights on the avx512_bf16 variant, fp32 weights on
+// AVX-512): pairs of weight rows against up to kWideTile x rows at once (13-16 x rows: two tiles
+// of up to 8), so every weight chunk read from memory is used for every x row while it is in
+// registers, and the weight stream overlaps the arithmetic throughout. In 4 x 4 tiles the first
+// tile waits on memory and the others on the FMA units, one after the other: on the 0.5B's
+// shapes (bf16, 2 threads, a Zen 4) 8 x rows took 1.60x one row's time that way and 1.24x in
+// pairs, 16 rows 2.95x and 2.49x. fp32 x rows are twice the bytes, so the pairs' x stream leaves
+// L1: on AVX2 (4 x 2 tiles) pairs lost (8 rows 81 -> 93 ms on the Zen 4); on AVX-512 (4 x 6
+// tiles; an AMX Xeon) they win at 7..12 rows (0.94-0.97x the time) and lose at 16 (1.17x in two
+// tiles of 8), so fp32 stops at 12 (kWideMax) and 13..16 rows take 4 x 6 tiles again.
 template <class W, typename Out>
 inline void wide_rows(const W& w, const Prepared<typename W::X>& x, int64_t m, int64_t k, Out* y, int64_t n,
                       int64_t row, const float* bias) {
@@ -330,7 +344,7 @@ void run(const W& w, const Prepared<typename W::X>& x, int64_t m, int64_t k, int
     int64_t row = b0 * kRows;
     for (; row + kRows <= end; row += kRows) {
       if constexpr (W::kWideTile > 0) {
-        if (m > kTileLimit) {
+        if (m > tile_of<W> && m <= W::kWideMax) {
           wide_rows(w, x, m, k, y, n, row, bias);
           continue;
         }
