@@ -55,7 +55,7 @@ struct F32Weights {
 #if defined(__AVX512F__)
   static constexpr int kWideTile = 12, kWideMax = 12;  // wide_rows for 7..12 x rows
 #else
-  static constexpr int kWideTile = 0;  // see wide_rows: pairs lost to 4 x 2 tiles on AVX2 (x rows in fp32 fill L1)
+  static constexpr int kWideTile = 0;  // see wide_rows: pairs lost on the Zen 4 (x rows in fp32 fill L1)
 #endif
   struct Vals { F v; };
   const float* w;
@@ -124,7 +124,7 @@ struct Bf16Weights {
   static constexpr int kMaxTile = 5;  // AVX-512: 4 x 5 sums + 8 weight vectors + x (AVX2: kTileLimit, 2)
   static constexpr int kTallTile = 5;  // AVX2, pairs of weight rows: 10 sums + 4 weights + x
 #if defined(__AVX512F__)
-  static constexpr int kWideTile = 12, kWideMax = 12;
+  static constexpr int kWideTile = 12, kWideMax = 12;  // 6..12 x rows (10-12: 0.93-0.95x 4 x 5 tiles' time)
 #else
   static constexpr int kWideTile = 0;  // x rows in fp32, as F32Weights
 #endif
@@ -310,16 +310,16 @@ inline void rows_against_all_x(const W& w, const Prepared<typename W::X>& x, int
 }
 
 // Weight rows row .. row + kRows against more x rows than one tile (tile_of), up to W::kWideMax,
-// for a format with W::kWideTile > 0 (bf16 weights on the avx512_bf16 variant, fp32 weights on
-// AVX-512): pairs of weight rows against up to kWideTile x rows at once (13-16 x rows: two tiles
-// of up to 8), so every weight chunk read from memory is used for every x row while it is in
-// registers, and the weight stream overlaps the arithmetic throughout. In 4 x 4 tiles the first
-// tile waits on memory and the others on the FMA units, one after the other: on the 0.5B's
-// shapes (bf16, 2 threads, a Zen 4) 8 x rows took 1.60x one row's time that way and 1.24x in
-// pairs, 16 rows 2.95x and 2.49x. fp32 x rows are twice the bytes, so the pairs' x stream leaves
-// L1: on AVX2 (4 x 2 tiles) pairs lost (8 rows 81 -> 93 ms on the Zen 4); on AVX-512 (4 x 6
-// tiles; an AMX Xeon) they win at 7..12 rows (0.94-0.97x the time) and lose at 16 (1.17x in two
-// tiles of 8), so fp32 stops at 12 (kWideMax) and 13..16 rows take 4 x 6 tiles again.
+// for a format with W::kWideTile > 0 (bf16 weights on the avx512_bf16 variant, fp32 and widened
+// bf16 weights on the other AVX-512 variants): pairs of weight rows against up to kWideTile x rows
+// at once (13-16 x rows: two tiles of up to 8), so every weight chunk read from memory is used for
+// every x row while it is in registers, and the weight stream overlaps the arithmetic throughout.
+// In 4 x 4 tiles the first tile waits on memory and the others on the FMA units, one after the
+// other: on the 0.5B's shapes (bf16, 2 threads, a Zen 4) 8 x rows took 1.60x one row's time that
+// way and 1.24x in pairs, 16 rows 2.95x and 2.49x. fp32 x rows are twice the bytes, so the pairs' x
+// stream leaves L1: on the Zen 4 pairs lost (8 rows 81 -> 93 ms; its fp32 runs the avx2 variant);
+// on AVX-512 (4 x 6 tiles; an AMX Xeon) they win at 7..12 rows (0.94-0.97x the time) and lose at 16
+// (1.17x in two tiles of 8), so fp32 stops at 12 (kWideMax) and 13..16 rows take 4 x 6 tiles again.
 template <class W, typename Out>
 inline void wide_rows(const W& w, const Prepared<typename W::X>& x, int64_t m, int64_t k, Out* y, int64_t n,
                       int64_t row, const float* bias) {
