@@ -77,11 +77,13 @@ def test_build_compiles_every_variant_and_imports_none(monkeypatch: pytest.Monke
 
 
 def _disassembly(paths: list[Path]) -> str:
-    """The instructions (mnemonic and operands) of the objects, without symbol names."""
+    """The instructions (mnemonic and operands) of the objects, without symbol names or the targets
+    of jumps and calls (symbols such as linear_bf16, and addresses: one was 0xbf16)."""
     out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", *map(str, paths)], capture_output=True, text=True,
                          check=True).stdout
     lines = [line.split("\t", 1)[1] for line in out.splitlines() if line.startswith(" ") and "\t" in line]
-    return re.sub(r"<[^>]*>", "", "\n".join(lines))  # jump targets name symbols, e.g. linear_bf16
+    lines = [re.sub(r"<[^>]*>|#.*", "", line) for line in lines]
+    return "\n".join(re.sub(r"\b((?:j\w+|call\w*)\s+)[0-9a-f]+\s*$", r"\1", line) for line in lines)
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
