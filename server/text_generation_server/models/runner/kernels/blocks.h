@@ -325,11 +325,13 @@ inline void wide_rows(const W& w, const Prepared<typename W::X>& x, int64_t m, i
                       int64_t row, const float* bias) {
   static_assert(kRows % 2 == 0 && W::kWideTile >= 8, "pairs of weight rows, 13-16 x rows in two tiles of 8");
   for (int r = 0; r < kRows; r += 2) {
-    if (m <= W::kWideTile) {
-      tiles<W, 2, W::kWideTile>(w, x, m, k, y, n, row + r, bias);
-    } else {
-      tiles<W, 2, 8>(w, x, m, k, y, n, row + r, bias);
+    if constexpr (W::kWideMax > W::kWideTile) {  // only formats that go past one wide tile build the eights
+      if (m > W::kWideTile) {
+        tiles<W, 2, 8>(w, x, m, k, y, n, row + r, bias);
+        continue;
+      }
     }
+    tiles<W, 2, W::kWideTile>(w, x, m, k, y, n, row + r, bias);
   }
 }
 
