@@ -57,8 +57,7 @@ MIN_GAIN = 1.05
 # Batch 1 only: at batch 4 the learnt acceptance (0.91) then kept 1-draft cycles going that the
 # 4-row prices called paying and that ran 0.90x off (4-row cycles cost ~1.2x their warm-up price).
 LEARN_FLOOR = 0.95
-# Drafts in a group of several rows (the model's or copies) must beat plain steps by this factor, per
-# compute dtype.
+# Model drafts in a group of several rows must beat plain steps by this factor, per compute dtype.
 # Served 4-row cycles of the 0.5B once cost 1.2-1.4x their warm-up price (code completion at batch 4
 # ran 0.84-0.93x off at 1.05), so the bar was 1.25, and batch 4 then never drafted (0.99x off). Since
 # the x-row tiles and the blocked attention (2026-12-04, quiet machine) float32 4-row model cycles
@@ -68,7 +67,10 @@ LEARN_FLOOR = 0.95
 # because 4-row prices (arithmetic-bound) move more between warm-ups than one-row ones. bfloat16
 # at 1.15 ran 0.87x (code completion) and 0.94x (chat): its 4-row cycles still cost more than their
 # price, so it keeps 1.25, as does any other dtype. Where a multi-row verification costs about a
-# step (a GPU) drafts clear either bar.
+# step (a GPU) drafts clear either bar. Copies keep MIN_GAIN at any batch size: with this bar at 4 rows
+# (bf16, 2026-12-05) the 1.5B's code completion ran 1.15x off (copies accepted 0.64, 168 drafted)
+# against 1.20x at 1.05 (216 drafted), the 0.5B's summarisation 0.98x against 1.03x, and the chat
+# copies it stopped (accepted 0.25-0.5, saving no step) had cost under 0.5% of the steps.
 MIN_GAIN_ROWS = {"float32": 1.15}
 MIN_GAIN_ROWS_OTHER = 1.25  # bfloat16 and any other dtype
 
@@ -201,20 +203,14 @@ class DraftController:
         rate = [(fixed + (sum(tokens_per_cycle(a, k) for a in accepts) if k else len(accepts)))
                 / cost.cycle_s(rows, k, draft, max(k, longest_copy), context) for k in range(self.max_draft + 1)]
         best = max(range(1, self.max_draft + 1), key=rate.__getitem__)
-        if not self.force and rate[best] < self._bar(rows) * rate[0]:
+        bar = MIN_GAIN if rows == 1 else MIN_GAIN_ROWS.get(self.dtype, MIN_GAIN_ROWS_OTHER)
+        if not self.force and rate[best] < bar * rate[0]:
             spec = states[0].spec
             learning = rows == 1 and spec is not None and spec.model.cycles < MIN_CYCLES_BEFORE_AUTO_OFF
             if not (learning and rate[best] >= LEARN_FLOOR * rate[0]):
                 best = 0
         plan = CyclePlan(ngram, best, model_rows, vocab, draft_skip)
         return self._watch(self._worth_it(plan, states, cost, context), states)
-
-    def _bar(self, rows: int) -> float:
-        """How much faster than a plain step a cycle of `rows` rows must be expected to run to draft.
-        Copies face the same bar as model drafts: their verification is the same multi-row forward,
-        priced as uncertainly. At the one-row bar (1.05), 4 rows of the 1.5B's bf16 chat drafted
-        copies accepted 0.25 (priced at 1.17x), saved no step and ran 0.98-0.99x off."""
-        return MIN_GAIN if rows == 1 else MIN_GAIN_ROWS.get(self.dtype, MIN_GAIN_ROWS_OTHER)
 
     def _ngram(self, state: RequestState, cost: CostModel, rows: int, context: int) -> list[int]:
         """The row's copied drafts: as many as pay at this batch's size (force: the most allowed)."""
@@ -224,7 +220,7 @@ class DraftController:
         copies = spec.index.lookup(state.all_ids, self.max_draft)
         if not copies or self.force:
             return copies
-        return copies[:cost.best_free_k(copy_acceptance(spec), rows, self.max_draft, self._bar(rows), context)[0]]
+        return copies[:cost.best_free_k(copy_acceptance(spec), rows, self.max_draft, MIN_GAIN, context)[0]]
 
     def _watch(self, plan: CyclePlan, states: list[RequestState]) -> CyclePlan:
         """Rows that draft copies drop their pending watch (the drafted cycle counts those tokens);
@@ -274,7 +270,7 @@ class DraftController:
         # left, 0.69x off), so a copying cycle must pay for its least-served row.
         tokens = rows * min(self._expected(s, ng, 0) for s, ng in zip(states, plan.ngram, strict=True))
         longest = max(len(ng) for ng in plan.ngram)
-        if tokens / cost.full_s(rows, longest + 1, context) > self._bar(rows) * rows / cost.full_s(rows, 1, context):
+        if tokens / cost.full_s(rows, longest + 1, context) > MIN_GAIN * rows / cost.full_s(rows, 1, context):
             return plan
         return CyclePlan([[] for _ in states], 0, plan.model_rows)
 
