@@ -178,6 +178,8 @@ def test_silu_mul_and_rope_match_torch(ops: cpu_kernels.CpuOps, dtype: torch.dty
         expected = torch.nn.functional.silu(gate) * up
         error = _relative_error(ops.silu_mul(gate_up), expected)
         assert error <= (1e-6 if dtype == torch.float32 else 2**-7), f"silu_mul {inner} {dtype}: error {error}"
+        gate_up[1, 0] = float("nan")  # in a whole vector (rounded to bf16 by simd::store_bf16) or the tail
+        assert ops.silu_mul(gate_up)[1, 0].isnan(), f"silu_mul {inner} {dtype}: a NaN gate gave a number"
     x = torch.randn(2, 3, 5, 64, generator=generator).to(dtype)  # [rows, new, heads, dim]
     cos, sin = torch.randn(2, 3, 1, 64, generator=generator).to(dtype), torch.randn(2, 3, 1, 64).to(dtype)
     expected = x.double() * cos.double() + x.double().roll(32, dims=-1) * sin.double()
