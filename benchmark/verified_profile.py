@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts of the class, decoded one after another")
     parser.add_argument("--batch", type=int, default=1, help="rows per decode (the prompt repeated)")
     parser.add_argument("--min-gain-rows", type=float, default=None,
-                        help="override draft_control.MIN_GAIN_ROWS of --dtype for this run (an experiment)")
+                        help="override draft_control.MIN_GAIN_ROWS of --dtype, on any kernels, for this run")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="verified_profile")
@@ -123,6 +123,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     if args.min_gain_rows is not None:
+        for key in [k for k in draft_control.MIN_GAIN_ROWS if k.startswith(f"{args.dtype}/")]:
+            del draft_control.MIN_GAIN_ROWS[key]  # this run's bar whatever the kernels
         draft_control.MIN_GAIN_ROWS[args.dtype] = args.min_gain_rows
     lms, policy = model_lms(args.model, args.dtype, "auto", 6)
     cost = lms["verified"].costs()

@@ -22,6 +22,7 @@ from text_generation_server.models.draft_control import (
     LEARN_FLOOR,
     MIN_GAIN,
     MIN_GAIN_ROWS,
+    MIN_GAIN_ROWS_OTHER,
     MIN_RULE_CYCLES,
     NGRAM_PRIOR,
     PROBE_EVERY,
@@ -381,6 +382,12 @@ def test_model_drafts_of_several_rows_must_clear_a_higher_bar() -> None:
             state.spec.watched.record(1, kept)
     assert MIN_GAIN < cost.best_free_k(copy_acceptance(copying[0].spec), rows=2)[1] < MIN_GAIN_ROWS["float32"]
     assert copier.plan_cycle(copying[:1]).ngram[0] and all(copier.plan_cycle(copying).ngram)
+    # The bar is the dtype's on the runner's kernels where those have their own (bfloat16 on amx).
+    bars = {(dtype, kernels): DraftController(lambda: cost, 4, False, dtype, kernels).rows_bar()
+            for dtype, kernels in (("float32", "avx2"), ("bfloat16", "amx"), ("bfloat16", "avx512_bf16"),
+                                   ("float16", "none"))}
+    assert bars == {("float32", "avx2"): MIN_GAIN_ROWS["float32"], ("bfloat16", "amx"): MIN_GAIN_ROWS["bfloat16/amx"],
+                    ("bfloat16", "avx512_bf16"): MIN_GAIN_ROWS_OTHER, ("float16", "none"): MIN_GAIN_ROWS_OTHER}
 
 
 def test_bad_settings_are_refused_by_name(tmp_path: Path) -> None:

@@ -106,7 +106,8 @@ class CausalLM:
         self.speculation = speculation or SpeculateConfig()
         self.cost_model: CostModel | None = None
         self.controller = DraftController(self.costs, self.speculation.max_draft, ngram=True,
-                                          dtype=dtype_name(runner.dtype))
+                                          dtype=dtype_name(runner.dtype),
+                                          kernels=runner.cpu_kernels)
         policy = planner.scheduler.policy
         self.heads = DraftHeads(policy.draft_vocab, getattr(runner, "lm_head", None))
         for rule in (*policy.table.rules, policy.table.default):

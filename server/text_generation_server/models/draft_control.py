@@ -66,12 +66,16 @@ LEARN_FLOOR = 0.95
 # ran 1.25-1.31x off, chat 0.94-1.06x, summarisation 1.00-1.06x. The bar stays above MIN_GAIN
 # because 4-row prices (arithmetic-bound) move more between warm-ups than one-row ones. bfloat16
 # at 1.15 ran 0.87x (code completion) and 0.94x (chat): its 4-row cycles still cost more than their
-# price, so it keeps 1.25, as does any other dtype. Where a multi-row verification costs about a
+# price, so it keeps 1.25, as does any other dtype, except on the amx kernels (keys "dtype/variant"
+# come first): there, 2026-12-05, bfloat16 at 1.15 ran batch 4 at 1.35x / 1.20x off (1.5B / 0.5B
+# code completion), 1.13x / 1.08x (chat), 1.08x / 1.02x (summarisation), against 0.99-1.20x,
+# 0.98-1.00x and 0.98-1.03x at 1.25 (drafts on int8 tiles at 0.33-0.55 of a 4-row step, 4-row
+# verifications of 2-4 tokens at 1.03-1.17 steps). Where a multi-row verification costs about a
 # step (a GPU) drafts clear either bar. Copies keep MIN_GAIN at any batch size: with this bar at 4 rows
 # (bf16, 2026-12-05) the 1.5B's code completion ran 1.15x off (copies accepted 0.64, 168 drafted)
 # against 1.20x at 1.05 (216 drafted), the 0.5B's summarisation 0.98x against 1.03x, and the chat
 # copies it stopped (accepted 0.25-0.5, saving no step) had cost under 0.5% of the steps.
-MIN_GAIN_ROWS = {"float32": 1.15}
+MIN_GAIN_ROWS = {"float32": 1.15, "bfloat16/amx": 1.15}
 MIN_GAIN_ROWS_OTHER = 1.25  # bfloat16 and any other dtype
 
 
@@ -144,13 +148,19 @@ class CyclePlan:
 class DraftController:
     """Draft decisions of one CausalLM (see module docstring)."""
 
-    def __init__(self, costs: Callable[[], CostModel], max_draft: int, ngram: bool, dtype: str = "float32") -> None:
+    def __init__(self, costs: Callable[[], CostModel], max_draft: int, ngram: bool, dtype: str = "float32",
+                 kernels: str = "none") -> None:
         self.costs = costs
         self.max_draft = max_draft
         self.ngram = ngram  # n-gram drafts for speculating requests
-        self.dtype = dtype  # the runner's compute dtype, which sets the multi-row bar (MIN_GAIN_ROWS)
+        self.dtype = dtype  # the runner's compute dtype and CPU kernels set the multi-row bar (MIN_GAIN_ROWS)
+        self.kernels = kernels
         self.force = False  # benchmarks/tests: always draft (no pay check, no auto-off)
         self.rules: dict[str, RuleRecord] = {}
+
+    def rows_bar(self) -> float:
+        """MIN_GAIN_ROWS for this runner: its dtype on its kernels, else its dtype, else the default."""
+        return MIN_GAIN_ROWS.get(f"{self.dtype}/{self.kernels}", MIN_GAIN_ROWS.get(self.dtype, MIN_GAIN_ROWS_OTHER))
 
     def rule(self, name: str, prior: float | None) -> RuleRecord:
         record = self.rules.get(name)
@@ -203,7 +213,7 @@ class DraftController:
         rate = [(fixed + (sum(tokens_per_cycle(a, k) for a in accepts) if k else len(accepts)))
                 / cost.cycle_s(rows, k, draft, max(k, longest_copy), context) for k in range(self.max_draft + 1)]
         best = max(range(1, self.max_draft + 1), key=rate.__getitem__)
-        bar = MIN_GAIN if rows == 1 else MIN_GAIN_ROWS.get(self.dtype, MIN_GAIN_ROWS_OTHER)
+        bar = MIN_GAIN if rows == 1 else self.rows_bar()
         if not self.force and rate[best] < bar * rate[0]:
             spec = states[0].spec
             learning = rows == 1 and spec is not None and spec.model.cycles < MIN_CYCLES_BEFORE_AUTO_OFF
