@@ -57,7 +57,8 @@ MIN_GAIN = 1.05
 # Batch 1 only: at batch 4 the learnt acceptance (0.91) then kept 1-draft cycles going that the
 # 4-row prices called paying and that ran 0.90x off (4-row cycles cost ~1.2x their warm-up price).
 LEARN_FLOOR = 0.95
-# Model drafts in a group of several rows must beat plain steps by this factor, per compute dtype.
+# Model drafts in a group of several rows must beat plain steps by this factor, per compute dtype
+# (and kernels).
 # Served 4-row cycles of the 0.5B once cost 1.2-1.4x their warm-up price (code completion at batch 4
 # ran 0.84-0.93x off at 1.05), so the bar was 1.25, and batch 4 then never drafted (0.99x off). Since
 # the x-row tiles and the blocked attention (2026-12-04, quiet machine) float32 4-row model cycles
@@ -71,8 +72,8 @@ LEARN_FLOOR = 0.95
 # code completion), 1.13x / 1.08x (chat), 1.08x / 1.02x (summarisation), against 0.99-1.20x,
 # 0.98-1.00x and 0.98-1.03x at 1.25 (drafts on int8 tiles at 0.33-0.55 of a 4-row step, 4-row
 # verifications of 2-4 tokens at 1.03-1.17 steps). Where a multi-row verification costs about a
-# step (a GPU) drafts clear either bar. Copies keep MIN_GAIN at any batch size: with this bar at 4 rows
-# (bf16, 2026-12-05) the 1.5B's code completion ran 1.15x off (copies accepted 0.64, 168 drafted)
+# step (a GPU) drafts clear either bar. Copies keep MIN_GAIN at any batch size: with bf16's 1.25 at
+# 4 rows (2026-12-05) the 1.5B's code completion ran 1.15x off (copies accepted 0.64, 168 drafted)
 # against 1.20x at 1.05 (216 drafted), the 0.5B's summarisation 0.98x against 1.03x, and the chat
 # copies it stopped (accepted 0.25-0.5, saving no step) had cost under 0.5% of the steps.
 MIN_GAIN_ROWS = {"float32": 1.15, "bfloat16/amx": 1.15}

@@ -191,19 +191,17 @@ inline float from_bf16(uint16_t value) {
 inline void store_bf16(uint16_t* p, F v) {
 #if defined(__AVX512F__)
   const I bits = _mm512_castps_si512(v);
-  const I lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  I rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
   const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
                                                 _mm512_set1_epi32(0x7f800000));
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  const I rounded = _mm512_mask_mov_epi32(_mm512_srli_epi32(_mm512_castps_si512(round_to_bf16(v)), 16), nan,
+                                          _mm512_set1_epi32(0x7fc0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
 #else
   const I bits = _mm256_castps_si256(v);
-  const I lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  I rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
   const I nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
                                    _mm256_set1_epi32(0x7f800000));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+  const I rounded = _mm256_blendv_epi8(_mm256_srli_epi32(_mm256_castps_si256(round_to_bf16(v)), 16),
+                                       _mm256_set1_epi32(0x7fc0), nan);
   // Each lane holds 0..0xffff, so the unsigned-saturating pack keeps it; the halves stay in order.
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
