@@ -209,7 +209,7 @@ class DraftController:
         longest_copy = max((len(ng) for ng in ngram), default=0)
 
         # Expected tokens per k: the other rows' are fixed, each model row's acceptance read once.
-        fixed = sum(self._expected(s, ng, 0) for s, ng, m in zip(states, ngram, model_rows, strict=True) if not m)
+        fixed = sum(self._expected(s, ng) for s, ng, m in zip(states, ngram, model_rows, strict=True) if not m)
         accepts = [self.acceptance(s.spec) for s, m in zip(states, model_rows, strict=True) if m and s.spec]
         rate = [(fixed + (sum(tokens_per_cycle(a, k) for a in accepts) if k else len(accepts)))
                 / cost.cycle_s(rows, k, draft, max(k, longest_copy), context) for k in range(self.max_draft + 1)]
@@ -262,13 +262,12 @@ class DraftController:
             spec.watched.record(*settled)
             spec.watch = None
 
-    def _expected(self, state: RequestState, copied: list[int], model_k: int) -> float:
+    def _expected(self, state: RequestState, copied: list[int]) -> float:
+        """A row's expected tokens in a cycle where it takes no model drafts: its copies', or one."""
         spec = state.spec
-        if spec is None:
+        if spec is None or not copied:
             return 1.0
-        if copied:
-            return tokens_per_cycle(copy_acceptance(spec), len(copied))
-        return tokens_per_cycle(self.acceptance(spec), model_k) if model_k else 1.0
+        return tokens_per_cycle(copy_acceptance(spec), len(copied))
 
     def _worth_it(self, plan: CyclePlan, states: list[RequestState], cost: CostModel, context: int) -> CyclePlan:
         """Drop copied drafts when the cycle they cost is slower than a plain step (batch effects)."""
@@ -279,7 +278,7 @@ class DraftController:
         # row's step cost more while the batch's step count stays bound by the rows without them
         # (0.5B chat at batch 4, two of four rows copying, copies accepted 0.70: 186 of 189 steps
         # left, 0.69x off), so a copying cycle must pay for its least-served row.
-        tokens = rows * min(self._expected(s, ng, 0) for s, ng in zip(states, plan.ngram, strict=True))
+        tokens = rows * min(self._expected(s, ng) for s, ng in zip(states, plan.ngram, strict=True))
         longest = max(len(ng) for ng in plan.ngram)
         if tokens / cost.full_s(rows, longest + 1, context) > MIN_GAIN * rows / cost.full_s(rows, 1, context):
             return plan
