@@ -26,6 +26,7 @@ from text_generation_server.models.draft_control import (
     MIN_RULE_CYCLES,
     NGRAM_PRIOR,
     PROBE_EVERY,
+    REQUEST_PRIOR_WEIGHT,
     DraftController,
     SpeculateConfig,
     copy_acceptance,
@@ -341,8 +342,9 @@ def test_a_rule_that_does_not_pay_is_switched_off_and_probed() -> None:
 
 def test_a_request_near_the_pay_line_drafts_its_first_cycles_to_learn() -> None:
     """A prior that puts drafting just short of MIN_GAIN (1.03x here) does not decide alone: a new
-    request drafts its first MIN_CYCLES_BEFORE_AUTO_OFF cycles, then its own acceptance decides
-    (accepted: it goes on; rejected: plain decoding). A prior well below the line never drafts."""
+    request drafts until its own drafts weigh as much as that prior (REQUEST_PRIOR_WEIGHT), then
+    its own acceptance decides (accepted: it goes on; rejected: plain decoding). A prior well below
+    the line never drafts."""
     skip = frozenset({1, 2})
     cost = CostModel((1, 2, 4, 8), (1.0, 1.12, 1.15, 1.3), layer_s=0.175)  # a draft costs 0.65 steps
     controller = DraftController(lambda: cost, max_draft=4, ngram=False)
@@ -350,14 +352,44 @@ def test_a_request_near_the_pay_line_drafts_its_first_cycles_to_learn() -> None:
     assert 1.0 < cost.best_k(0.83, skip)[1] < MIN_GAIN
     for accepted, then_drafts in ((1, True), (0, False)):
         state = _state(accepted, [1, 2, 3], SpecState(rule="r", skip=skip))
-        for _ in range(MIN_CYCLES_BEFORE_AUTO_OFF):
+        assert state.spec is not None
+        while state.spec.model.drafted < REQUEST_PRIOR_WEIGHT:
             drafts = controller.plan_cycle([state]).model_k
             assert drafts >= 1
             controller.record(state, "model", drafts, drafts * accepted)
+        assert state.spec.model.cycles >= MIN_CYCLES_BEFORE_AUTO_OFF
         assert (controller.plan_cycle([state]).model_k > 0) == then_drafts
     controller.rule("low", 0.6)
     assert cost.best_k(0.6, skip)[1] < LEARN_FLOOR
     assert not controller.plan_cycle([_state(3, [1, 2, 3], SpecState(rule="low", skip=skip))]).model_k
+
+
+def test_rows_of_a_group_learn_a_rule_that_another_class_sank() -> None:
+    """A rule shared by two classes: one class's rejected drafts sink its pooled acceptance under
+    the multi-row bar. New rows of the other class still draft in a group (predicted within
+    LEARN_FLOOR) while their own drafts weigh less than their prior, so their acceptance decides:
+    kept, they go on drafting; rejected, they stop. Without this, nothing in a group would ever
+    draft with the rule again to measure it."""
+    skip = frozenset({1, 2})
+    cost = CostModel((1, 2, 4, 8), (1.0, 1.1, 1.2, 1.4), layer_s=0.3)  # a draft costs 0.4 steps
+    controller = DraftController(lambda: cost, max_draft=4, ngram=False)
+    controller.rule("shared", 0.82)
+    sinker = _state(9, [1, 2, 3], SpecState(rule="shared", skip=skip))
+    for _ in range(10):
+        controller.record(sinker, "model", 2, 0)  # 20 drafts rejected: the rule's 0.82 sinks to 0.36
+    rate = cost.best_k(controller.rules["shared"].estimate(), skip, rows=2)[1]
+    assert LEARN_FLOOR < rate < MIN_GAIN_ROWS["float32"]
+    for accepted, then_drafts in ((1, True), (0, False)):
+        rows = [_state(i, [1, 2, 3], SpecState(rule="shared", skip=skip)) for i in range(2)]
+        assert controller.plan_cycle(rows).model_k >= 1
+        for _ in range(8):
+            drafts = controller.plan_cycle(rows).model_k
+            if not drafts:
+                break
+            for state in rows:
+                controller.record(state, "model", drafts, drafts * accepted)
+        assert (controller.plan_cycle(rows).model_k > 0) == then_drafts
+        assert all(s.spec is not None and (s.spec.model.drafted >= 8) == then_drafts for s in rows)
 
 
 def test_model_drafts_of_several_rows_must_clear_a_higher_bar() -> None:
@@ -370,6 +402,11 @@ def test_model_drafts_of_several_rows_must_clear_a_higher_bar() -> None:
     skip = frozenset({1, 2})
     assert MIN_GAIN < cost.best_k(0.7, skip, rows=2)[1] < MIN_GAIN_ROWS["float32"]
     rows = [_state(i, [1, 2, 3], SpecState(rule="r", skip=skip)) for i in range(2)]
+    for state in rows:  # rows that have learnt their acceptance (0.7): no drafts for learning's sake
+        for _ in range(3):
+            controller.record(state, "model", 3, 2)
+        controller.record(state, "model", 1, 1)  # 7 accepted, 3 cycles stopped by a rejection
+    assert all(controller.acceptance(s.spec) == pytest.approx(0.7) for s in rows if s.spec is not None)
     assert controller.plan_cycle(rows[:1]).model_k > 0 and controller.plan_cycle(rows).model_k == 0
     # Copies accepted 0.22 (watches: one kept, six missed at once), priced at 1.11x alone and 1.12x
     # at two rows: drafted either way.

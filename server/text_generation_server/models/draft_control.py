@@ -15,9 +15,10 @@ Design note. Three levels decide, all from the measured cost model and measured 
   PROBE_EVERY still drafts, so the rule is re-enabled when its acceptance recovers;
 - per request (the floor, "auto-off"): a request whose own acceptance (with its rule's as the
   prior) makes its drafting slower than plain decoding after MIN_CYCLES_BEFORE_AUTO_OFF cycles
-  stops model drafting; its n-gram drafts go on when they pay. Alone in its group, its first
-  cycles draft even when the prior puts them just short of paying (within LEARN_FLOOR): a prior
-  near the line would otherwise decide for good from one warm-up reading, without the
+  stops model drafting; its n-gram drafts go on when they pay. Until its own drafts weigh as much
+  as its prior (REQUEST_PRIOR_WEIGHT), a request drafts even when the prior puts its group's cycle
+  just short of paying (within LEARN_FLOOR): a prior near the line would otherwise decide for good,
+  from one warm-up reading or from another class's drafts under the same rule, without the
   request's own evidence.
 """
 
@@ -49,13 +50,19 @@ DECAY_AT = 512  # pooled counts are halved past this many cycles (recent request
 # A cycle drafts only when its expected speed beats a plain step by this factor: the cost model is
 # measured once at warm-up on a shared machine, and its figures move by about 5% between runs.
 MIN_GAIN = 1.05
-# A request's first MIN_CYCLES_BEFORE_AUTO_OFF model cycles draft when the prior puts them within this
-# factor of a plain step, short of MIN_GAIN: its own acceptance then decides. On the 0.5B the chat
-# rule's prior (0.83, 4 layers, a 0.65-step draft) is predicted at 1.04-1.10x depending on one
-# warm-up's verify(2) reading (1.0-1.07); code completion prompts under 120 tokens take that rule
-# and accept 0.92 as served (1.23x off when they draft, 0.99x when the reading kept them from it).
-# Batch 1 only: at batch 4 the learnt acceptance (0.91) then kept 1-draft cycles going that the
-# 4-row prices called paying and that ran 0.90x off (4-row cycles cost ~1.2x their warm-up price).
+# A cycle where some model row has drafted fewer than REQUEST_PRIOR_WEIGHT drafts of its own drafts
+# when it is predicted within this factor of plain decoding's speed, short of its bar: the rows' own
+# acceptance then decides (a learning cycle is predicted at most 5% slower than a plain step, and
+# each request has few). On the 0.5B the chat rule's prior (0.83, 4 layers, a 0.65-step draft)
+# is predicted at 1.04-1.10x depending on one warm-up's verify(2) reading (1.0-1.07); code
+# completion prompts under 120 tokens take that rule and accept 0.92 as served (1.23x off when
+# they draft, 0.99x when the reading kept them from it). In groups (since 2026-12-05): on the 1.5B
+# in bf16, code completion's first batch-4 drafts (4 of 20 kept) sank the default rule, which
+# chat shares, to ~0.5; nothing at batch 4 drafted with it again and chat ran 0.99x off. With
+# groups learning, code completion then chat at batch 4: 1.35x (292 drafts, 0.70 kept) and 1.15x
+# (336, 0.84). (Learning was batch 1 only while 4-row cycles cost ~1.2x their warm-up price: the
+# 1-draft cycles it then kept at batch 4 ran 0.90x off. The cost model now prices attention by
+# context, and MIN_GAIN_ROWS guards the rest.)
 LEARN_FLOOR = 0.95
 # Model drafts in a group of several rows must beat plain steps by this factor, per compute dtype
 # (and kernels).
@@ -216,8 +223,8 @@ class DraftController:
         best = max(range(1, self.max_draft + 1), key=rate.__getitem__)
         bar = MIN_GAIN if rows == 1 else self.rows_bar()
         if not self.force and rate[best] < bar * rate[0]:
-            spec = states[0].spec
-            learning = rows == 1 and spec is not None and spec.model.cycles < MIN_CYCLES_BEFORE_AUTO_OFF
+            learning = any(s.spec.model.drafted < REQUEST_PRIOR_WEIGHT
+                           for s, m in zip(states, model_rows, strict=True) if m and s.spec)
             if not (learning and rate[best] >= LEARN_FLOOR * rate[0]):
                 best = 0
         plan = CyclePlan(ngram, best, model_rows, vocab, draft_skip)
