@@ -376,7 +376,7 @@ def test_rows_of_a_group_learn_a_rule_that_another_class_sank() -> None:
     controller.rule("shared", 0.82)
     sinker = _state(9, [1, 2, 3], SpecState(rule="shared", skip=skip))
     for _ in range(10):
-        controller.record(sinker, "model", 2, 0)  # 20 drafts rejected: the rule's 0.82 sinks to 0.36
+        controller.record(sinker, "model", 2, 0)  # 10 cycles rejected at once: the rule's 0.82 sinks to 0.50
     rate = cost.best_k(controller.rules["shared"].estimate(), skip, rows=2)[1]
     assert LEARN_FLOOR < rate < MIN_GAIN_ROWS["float32"]
     for accepted, then_drafts in ((1, True), (0, False)):

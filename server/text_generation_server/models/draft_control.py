@@ -50,8 +50,8 @@ DECAY_AT = 512  # pooled counts are halved past this many cycles (recent request
 # A cycle drafts only when its expected speed beats a plain step by this factor: the cost model is
 # measured once at warm-up on a shared machine, and its figures move by about 5% between runs.
 MIN_GAIN = 1.05
-# A cycle where some model row has drafted fewer than REQUEST_PRIOR_WEIGHT drafts of its own drafts
-# when it is predicted within this factor of plain decoding's speed, short of its bar: the rows' own
+# A cycle in which some model row has fewer than REQUEST_PRIOR_WEIGHT drafts of its own drafts when
+# it is predicted within this factor of plain decoding's speed, short of its bar: the rows' own
 # acceptance then decides (a learning cycle is predicted at most 5% slower than a plain step, and
 # each request has few). On the 0.5B the chat rule's prior (0.83, 4 layers, a 0.65-step draft)
 # is predicted at 1.04-1.10x depending on one warm-up's verify(2) reading (1.0-1.07); code
