@@ -369,16 +369,21 @@ def test_rows_of_a_group_learn_a_rule_that_another_class_sank() -> None:
     the multi-row bar. New rows of the other class still draft in a group (predicted within
     LEARN_FLOOR) while their own drafts weigh less than their prior, so their acceptance decides:
     kept, they go on drafting; rejected, they stop. Without this, nothing in a group would ever
-    draft with the rule again to measure it."""
+    draft with the rule again to measure it. Groups larger than the cost model measured (priced by
+    extrapolation) do not learn."""
     skip = frozenset({1, 2})
-    cost = CostModel((1, 2, 4, 8), (1.0, 1.1, 1.2, 1.4), layer_s=0.3)  # a draft costs 0.4 steps
+    # A draft costs 0.4 steps; 2-row forwards measured (as 2 x tokens one-row tokens cost).
+    cost = CostModel((1, 2, 4, 8), (1.0, 1.1, 1.2, 1.4), layer_s=0.3, batched={2: ((1, 2, 4, 8), (1.1, 1.2, 1.4, 1.8))})
     controller = DraftController(lambda: cost, max_draft=4, ngram=False)
     controller.rule("shared", 0.82)
     sinker = _state(9, [1, 2, 3], SpecState(rule="shared", skip=skip))
     for _ in range(10):
         controller.record(sinker, "model", 2, 0)  # 10 cycles rejected at once: the rule's 0.82 sinks to 0.50
-    rate = cost.best_k(controller.rules["shared"].estimate(), skip, rows=2)[1]
-    assert LEARN_FLOOR < rate < MIN_GAIN_ROWS["float32"]
+    for rows_in_group in (2, 3):
+        rate = cost.best_k(controller.rules["shared"].estimate(), skip, rows=rows_in_group)[1]
+        assert LEARN_FLOOR < rate < MIN_GAIN_ROWS["float32"], rows_in_group
+    unmeasured = [_state(i, [1, 2, 3], SpecState(rule="shared", skip=skip)) for i in range(3)]
+    assert not controller.plan_cycle(unmeasured).model_k
     for accepted, then_drafts in ((1, True), (0, False)):
         rows = [_state(i, [1, 2, 3], SpecState(rule="shared", skip=skip)) for i in range(2)]
         assert controller.plan_cycle(rows).model_k >= 1
