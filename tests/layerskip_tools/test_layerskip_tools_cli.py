@@ -291,3 +291,33 @@ def test_consistency_reference_is_a_float_precision(work: dict[str, Path]) -> No
     output = cli("consistency", DEFAULT_MODEL_ID, "--prompts", str(work["prompts"]), "--reference", "nf4",
                  "--out", str(work["root"] / "refused"), expect=2)
     assert "--reference nf4: use one of float16, bfloat16, float32" in output
+
+
+def test_verified_rules_carve_a_class_out_of_a_wider_rule() -> None:
+    """A prompt takes the first rule it matches, so a narrow rule chosen after a wide one goes
+    before it: here the code-editing rule (num_tokens >= ~98) is chosen first and also takes the
+    long summarisation prompts, which its configuration slows; the summarisation rule then
+    goes in front of it (appended after it, it would never match, and was never chosen)."""
+    from text_generation_server.layerskip_cli.prompts import Prompt
+    from text_generation_server.layerskip_cli.verified import PromptRun, Scored, choose_rules
+
+    plain, deep, shallow = (0, 0), (1, 0), (2, 0)  # configurations: (skip set, head size)
+    classes = {  # num_tokens per prompt; speed-up of each configuration
+        "chat": ([45, 46, 47], {plain: 1.5, deep: 0.3, shallow: 1.0}),
+        "code_edit": ([150, 200, 300], {plain: 1.2, deep: 2.5, shallow: 1.3}),
+        "summarise": ([1190, 1200, 1210], {plain: 1.1, deep: 0.8, shallow: 1.3}),
+    }
+    runs: list[PromptRun] = []
+    speed: dict[tuple[int, int], list[float]] = {c: [] for c in (plain, deep, shallow)}
+    for name, (lengths, speeds) in classes.items():
+        for i, n in enumerate(lengths):
+            prompt = Prompt(f"{name}-{i}", name, "calibration", None, "x")
+            runs.append(PromptRun(prompt, {"num_tokens": float(n), "max_score": 1.0, "mean_score": 1.0,
+                                           "spectral_entropy": 1.0, "kurtosis": 0.0}, []))
+            for config, value in speeds.items():
+                speed[config].append(value)
+    default, rules = choose_rules(runs, Scored({c: [0.5] * len(runs) for c in speed}, speed))
+    assert default == plain
+    assert [(name, config, cond.feature, cond.op) for cond, config, name in rules] == [
+        ("summarise", shallow, "num_tokens", ">="), ("code_edit", deep, "num_tokens", ">=")]
+    assert 300 < rules[0][0].value < 1190 and 47 < rules[1][0].value < 150

@@ -14,8 +14,12 @@ arithmetic on acceptance (which is not noisy) and the cost model (models/cost_mo
 4. rules: the default rule takes the configuration with the best mean speed over all
    calibration prompts; then, greedily (up to MAX_RULES), a class whose own best configuration
    differs gets a rule if one detector condition (feature op threshold) routes prompts to it
-   and raises the mean speed by more than MIN_GAIN. So the detector earns rules only where its
-   scores tell the classes apart, which is what the evidence reports.
+   and raises the mean speed by more than MIN_GAIN. A prompt takes the first rule it matches,
+   and a new rule may go before the rules already chosen: a narrow rule then carves its class
+   out of a wider one (the 0.5B's bf16 policy of 2026-12-03 had "num_tokens >= 120: skip 12
+   layers" for code editing, which also took the summarisation prompts, accepted 0.50 there,
+   and a summarisation rule placed after it could never match). So the detector earns rules
+   only where its scores tell the classes apart, which is what the evidence reports.
 The held-out split is measured the same way and reported beside the calibration figures.
 """
 
@@ -196,8 +200,9 @@ def choose_rules(runs: list[PromptRun], scored: Scored) -> tuple[Config, list[tu
     rules: list[tuple[Condition, Config, str]] = []
     classes = sorted({r.prompt.category for r in runs})
     for _ in range(MAX_RULES):
-        base = routed_speed(runs, scored, [(c, k) for c, k, _ in rules], default)
-        best: tuple[float, Condition, Config, str] | None = None
+        chosen = [(c, k) for c, k, _ in rules]
+        base = routed_speed(runs, scored, chosen, default)
+        best: tuple[float, int, Condition, Config, str] | None = None
         for name in classes:
             members = [p for p, r in enumerate(runs) if r.prompt.category == name]
             own = max(configs, key=lambda c: float(np.mean([scored.speed[c][p] for p in members])))
@@ -208,12 +213,14 @@ def choose_rules(runs: list[PromptRun], scored: Scored) -> tuple[Config, list[tu
                 for low, high in zip(values, values[1:], strict=False):
                     for op in ("<", ">="):
                         cond = Condition(feature, op, (low + high) / 2)
-                        gain = routed_speed(runs, scored, [(c, k) for c, k, _ in rules] + [(cond, own)], default) - base
-                        if gain > MIN_GAIN and (best is None or gain > best[0]):
-                            best = (gain, cond, own, name)
+                        for at in range(len(rules) + 1):
+                            routes = chosen[:at] + [(cond, own)] + chosen[at:]
+                            gain = routed_speed(runs, scored, routes, default) - base
+                            if gain > MIN_GAIN and (best is None or gain > best[0]):
+                                best = (gain, at, cond, own, name)
         if best is None:
             break
-        rules.append((best[1], best[2], best[3]))
+        rules.insert(best[1], best[2:])
     return default, rules
 
 
