@@ -16,6 +16,7 @@ Usage: PYTHONPATH=benchmark:tests .venv/bin/python benchmark/verified_arrivals.p
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from typing import Any
@@ -103,11 +104,11 @@ def main() -> None:
     order = [t for group in zip(*(texts[c] for c in CLASS_ORDER), strict=True) for t in group]
     jobs = [(order[i % len(order)], LENGTHS[i % len(LENGTHS)]) for i in range(args.requests)]
     verified = lms["verified"]
-    frozen = CausalLM.__new__(CausalLM)  # the verified model as loaded (heads, cost model), its controller swapped
-    frozen.__dict__.update(verified.__dict__)
-    frozen.controller = NoGroupLearning(verified.costs, verified.controller.max_draft, verified.controller.ngram,
-                                        verified.controller.dtype, verified.controller.kernels)
-    modes = {"off": lms["off"], "verified": verified, "verified_no_group_learning": frozen,
+    no_group_learning = copy.copy(verified)  # the verified model as loaded (heads, cost model), its controller swapped
+    served = verified.controller
+    no_group_learning.controller = NoGroupLearning(verified.costs, served.max_draft, served.ngram, served.dtype,
+                                                   served.kernels)
+    modes = {"off": lms["off"], "verified": verified, "verified_no_group_learning": no_group_learning,
              "speculate": lms["speculate"]}
     runs: dict[str, list[float]] = {name: [] for name in modes}
     outputs: dict[str, dict[int, list[int]]] = {}
