@@ -1,5 +1,5 @@
 """Units of the two drafters and their control: n-gram lookup, reduced draft heads (on a tiny
-random Qwen2 model), exactness of rejection sampling with a reduced head and with copied drafts,
+random Qwen2 model), exactness of sampling with a reduced head and with copied drafts,
 the cost model's arithmetic, per-cycle / per-rule / per-request decisions, and the refusals of
 bad draft settings. Claims about real output live in test_verified_qwen.py."""
 
@@ -90,24 +90,23 @@ def _first_token_counts(draft_logits: torch.Tensor, head_ids: torch.Tensor | Non
                         copied: int | None, samples: int) -> torch.Tensor:
     from text_generation_server.models.draft_head import DraftHead
 
-    params = SamplingParams(temperature=1.0, do_sample=True, seed=0)
-    generator = torch.Generator().manual_seed(1)
     head = None if head_ids is None else DraftHead(head_ids, torch.zeros((len(head_ids), 1)))
     verify = torch.stack([target, target])  # [2, vocab]: after the pending token and after the draft
     counts = torch.zeros(target.shape[0])
-    for _ in range(samples):
+    for seed in range(samples):
+        params = SamplingParams(temperature=1.0, do_sample=True, seed=seed)
         if copied is not None:
-            proposal = copied_drafts([copied], sampling=True)
+            proposal = copied_drafts([copied])
         else:
             proposal = Proposal()
-            draft_token(params, generator, draft_logits, [], proposal, head, target.shape[0])
-        tokens, _, _ = accept(params, generator, verify, [], proposal)
+            draft_token(params, draft_logits, [], proposal, head, target.shape[0])
+        tokens, _, _ = accept(params, verify, [], proposal)
         counts[tokens[0]] += 1
     return counts
 
 
 @pytest.mark.parametrize("kind", ["reduced head", "copied draft"])
-def test_rejection_sampling_stays_exact(kind: str) -> None:
+def test_sampling_stays_exact_with_a_reduced_head_or_a_copied_draft(kind: str) -> None:
     """The first emitted token follows the full model's distribution p although the draft's q is
     zero outside a 3-token head (or is a point mass on a copied token): chi-square test."""
     torch.manual_seed(3)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from text_generation_server.models.speculative import CostModel, SpecState
-from text_generation_server.sampling import Proposal, SamplingParams, accept, draft_token
+from text_generation_server.sampling import NextTokenChooser, Proposal, SamplingParams, accept, draft_token
 
 # Critical value of the chi-square distribution with 5 degrees of freedom at p = 0.001.
 CHI2_DF5_P001 = 20.515
@@ -17,21 +17,27 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def test_rejection_sampling_reproduces_the_target_distribution() -> None:
-    params = SamplingParams(do_sample=True)
+def test_sampled_drafts_change_how_many_tokens_a_forward_decides_never_which() -> None:
+    """Over 8000 seeds: with two drafts from a distribution unlike the target's, `accept` emits
+    exactly the tokens the plain chooser draws at the same positions with the same seed, they
+    follow the target distribution (chi-square), and some drafts are kept, some not."""
     target = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
     draft = torch.tensor([0.0, 2.0, 0.0, 1.0, 0.5, -2.0])  # deliberately unlike the target
-    generator = torch.Generator().manual_seed(1234)
+    prefix = [7, 8]
     trials = 8000
     first = torch.zeros(6)
     second = torch.zeros(6)
     accepted = 0
-    for _ in range(trials):
+    for seed in range(trials):
+        params = SamplingParams(do_sample=True, seed=seed)
         proposal = Proposal()
         for _ in range(2):  # k = 2 drafts from the same draft distribution
-            draft_token(params, generator, draft, [], proposal)
+            draft_token(params, draft, prefix + proposal.token_ids, proposal)
         verify = torch.stack([target, target, target])  # [k + 1, vocab]
-        tokens, _, kept = accept(params, generator, verify, [], proposal)
+        tokens, _, kept = accept(params, verify, prefix, proposal)
+        chooser = NextTokenChooser(params)
+        plain = [chooser(target, torch.tensor(prefix + [0] * j))[0] for j in range(len(tokens))]
+        assert tokens == plain, (seed, tokens, plain, proposal.token_ids)
         first[tokens[0]] += 1
         if len(tokens) > 1:
             second[tokens[1]] += 1
@@ -50,10 +56,10 @@ def test_greedy_acceptance_keeps_the_agreeing_prefix_and_adds_the_full_model_tok
     for position, token in enumerate([1, 2, 4, 0]):  # the full model's argmax after each prefix
         verify[position, token] = 5.0
     proposal = Proposal(token_ids=[1, 2, 3])
-    tokens, logprobs, kept = accept(params, None, verify, [7, 8], proposal)
+    tokens, logprobs, kept = accept(params, verify, [7, 8], proposal)
     assert (tokens, kept) == ([1, 2, 4], 2)  # drafts 1, 2 agree; 3 is replaced by the model's 4
     assert all(lp < 0 for lp in logprobs)
-    tokens, _, kept = accept(params, None, verify, [7, 8], Proposal(token_ids=[1, 2, 4]))
+    tokens, _, kept = accept(params, verify, [7, 8], Proposal(token_ids=[1, 2, 4]))
     assert (tokens, kept) == ([1, 2, 4, 0], 3)  # all drafts agree: the bonus token follows
 
 

@@ -150,17 +150,26 @@ def test_stop_sequence_and_length_inside_an_accepted_run(fp32: Pair) -> None:
             assert outcomes[0] == outcomes[1], f"stop={kwargs} max_new_tokens={max_new}"
 
 
-def test_seeded_verified_sampling_is_reproducible(fp32: Pair) -> None:
+def test_seeded_verified_sampling_gives_off_s_tokens(fp32: Pair) -> None:
+    """A seeded sampled request gives `off`'s tokens in verified mode however its drafts went:
+    alone, again (the rule's acceptance learnt from the first run changes the drafts), and beside
+    a greedy request."""
     prompt = chat_text(fp32.off.tokenizer, "Tell me a story about a dragon.")
 
-    def sample(seed: int) -> tuple[list[int], float]:
-        r = make_request(1, prompt, 24, do_sample=True, seed=seed, temperature=0.7, top_k=20)
-        tokens, _, _, reports = run(fp32.verified, [r])
-        return tokens[1], reports[1].stats["drafted"]  # type: ignore[attr-defined]
+    def sample(lm: CausalLM, seed: int, beside: str | None = None) -> tuple[list[int], float]:
+        requests = [make_request(1, prompt, 24, do_sample=True, seed=seed, temperature=0.7, top_k=20)]
+        if beside is not None:
+            requests.append(make_request(2, beside, 24))
+        tokens, _, _, reports = run(lm, requests)
+        report = reports.get(1)  # verified mode reports its drafts; `off` reports nothing
+        return tokens[1], report.stats["drafted"] if report is not None else 0  # type: ignore[attr-defined]
 
-    first, again = sample(11), sample(11)
-    assert first == again and first[1] > 0
-    assert sample(12)[0] != first[0]
+    off, _ = sample(fp32.off, 11)
+    first, again, batched = sample(fp32.verified, 11), sample(fp32.verified, 11), sample(fp32.verified, 11,
+                                                                                         fp32.prompts[8])
+    assert first[0] == off and again[0] == off and batched[0] == off
+    assert first[1] > 0 and batched[1] > 0, (first, batched)  # drafts were made and verified
+    assert sample(fp32.off, 12)[0] != off
 
 
 def test_cache_holds_exactly_the_accepted_tokens(fp32: Pair) -> None:

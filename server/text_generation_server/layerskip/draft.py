@@ -6,10 +6,8 @@ first `vocab` token ids of the policy's frequency ranking (`DraftVocab`). On the
 models the 151936-word head is 27% (0.5B) / 13% (1.5B) of the weight bytes a step reads, so a
 draft that keeps the full head stays expensive however many layers it skips. The reduced head
 is lossless for the same reason skipped layers are: verification runs the full model with the
-full head, so a token outside the subset is simply never proposed (greedy), and under sampling
-the draft distribution q is zero outside the subset, which rejection sampling handles exactly
-(accept d with min(1, p(d)/q(d)); on rejection draw from max(p - q, 0), which keeps all of p's
-mass outside the subset).
+full head, so a token outside the subset is simply never proposed, and every emitted token is
+the full model's own choice (greedy, or its draw under the request's seed: sampling/speculative.py).
 
 Vocabulary selection: `layerskip calibrate --objective verified` counts the tokens of the
 calibration text (the prompts and the full model's greedy continuations) and ranks them by

@@ -93,7 +93,7 @@ class VerifiedStep:
                  biases: Biases, head: DraftHead | None = None) -> None:
         self.runner, self.group, self.states, self.cycle = runner, group, states, cycle
         self.biases, self.head = biases, head
-        self.proposals = [copied_drafts(ng, s.chooser.generator is not None) if ng else Proposal()
+        self.proposals = [copied_drafts(ng) if ng else Proposal()
                           for s, ng in zip(states, cycle.ngram, strict=True)]
         self.logits: torch.Tensor | None = None  # [rows, width + 1, vocab] after `forward`
 
@@ -110,7 +110,7 @@ class VerifiedStep:
         steps: dict[int, RowStep] = {}
         for row, (s, p) in enumerate(zip(self.states, self.proposals, strict=True)):
             drafted = len(p.token_ids)
-            tokens, logprobs, kept = accept(s.chooser.params, s.chooser.generator, logits[row, : drafted + 1],
+            tokens, logprobs, kept = accept(s.chooser.params, logits[row, : drafted + 1],
                                             s.all_ids, p, s.chooser)
             steps[s.id] = RowStep(tokens, logprobs, logits[row, : len(tokens)], drafted=drafted, accepted=kept,
                                   source=p.source)
@@ -132,7 +132,7 @@ class VerifiedStep:
                 fed = []
                 for row, (s, p) in enumerate(zip(self.states, self.proposals, strict=True)):
                     if cycle.model_rows[row]:
-                        fed.append(draft_token(s.chooser.params, s.chooser.generator, logits[row],
+                        fed.append(draft_token(s.chooser.params, logits[row],
                                                s.all_ids + p.token_ids, p, head, self.runner.vocab_size, s.chooser))
                     else:  # a copied or a non-drafting row: keep its tensors in step, its output is unused
                         fed.append(p.token_ids[j] if j < len(p.token_ids) else int(ids[row, -1]))

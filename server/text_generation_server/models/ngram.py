@@ -7,8 +7,8 @@ A lookup takes the last `n` tokens (n from MAX_NGRAM down to MIN_NGRAM), finds t
 recent earlier occurrence in prompt + generated tokens, and proposes up to `max_tokens` of the
 tokens that followed it. Longer n-grams are tried first because they are more specific. These
 drafts are verified exactly like layer-skip drafts (one full forward over them), so output
-stays lossless; under sampling a copied draft is a point distribution q = 1 at its token, and
-rejection sampling accepts it with probability p(d).
+stays lossless; under sampling a copied draft is kept when the full model's draw is its token,
+with probability p(d).
 
 `NgramIndex` keeps, per request, the latest start of every n-gram that has a follower, updated
 with the tokens added since its last lookup: a lookup costs O(new tokens), not O(context), so it

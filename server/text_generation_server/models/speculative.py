@@ -2,17 +2,17 @@
 
 Design note. For a group of rows that share a draft skip set S, one decode step is a cycle:
 1. draft: k one-token forwards with S bypassed, each choosing a draft token per row (greedy:
-   argmax; sampling: drawn from the warped draft distribution q);
+   argmax; sampling: the warped draft distribution q raced with the position's noise);
 2. crop the KV cache back to where it was, so no draft hidden state stays in it;
 3. verify: one full forward over [pending token, d1..dk], which writes the true keys/values
    of all k + 1 positions;
 4. accept per row the longest prefix the full model agrees with (greedy: equal argmax;
-   sampling: accept d_j with probability min(1, p(d_j) / q(d_j)), else draw from the residual
-   max(p - q, 0)), plus one token of the full model's own (the correction or the bonus);
+   sampling: the same race of the full model's p with the same noise chooses d_j), plus one
+   token of the full model's own (the correction or the bonus);
 5. mask, per row, the columns of its rejected drafts and crop the columns no row kept.
-After the cycle the cache holds exactly the accepted tokens of every row, and the greedy
-output equals the full model's (up to floating-point near-ties between the one-token and the
-(k+1)-token forward). Rows accept different numbers of tokens, so a row's real tokens need
+After the cycle the cache holds exactly the accepted tokens of every row, and the output equals
+the full model's, greedy or sampled with a seed (up to floating-point near-ties between the
+one-token and the (k+1)-token forward). Rows accept different numbers of tokens, so a row's real tokens need
 not be contiguous; positions come from the mask, so attention and RoPE stay exact.
 Where each step lives: 1 and 4 are token choice (`draft_token`, `accept` in
 sampling/speculative.py); 2, 3 and the forwards of 1 run in group_step.py; 5 is

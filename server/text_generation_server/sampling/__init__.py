@@ -6,7 +6,7 @@ The interface, by the step that needs it:
 - `draft_token`: one draft token of a draft forward (verified mode, --speculate);
 - `accept`: the drafts a verification forward keeps, plus the full model's own token.
 Every function takes the request's chooser, so the same processors (watermark, penalties,
-grammar mask, warpers) and the same seeded generator serve all three. `top_n_tokens` gives the
+grammar mask, warpers) and the same position-keyed noise of its seed serve all three. `top_n_tokens` gives the
 alternatives reported next to a chosen token.
 """
 

@@ -1,12 +1,17 @@
 """Speculative token choice: drafting a token, and accepting drafts against the full model.
 
-The rules (see models/speculative.py for the cycle around them): greedy drafts are the draft
-model's argmax and a draft is kept while it equals the full model's argmax; sampled drafts are
-drawn from the warped draft distribution q and d_j is kept with probability
-min(1, p(d_j) / q(d_j)), else the token is drawn from the residual max(p - q, 0), so the output
-follows the full model's distribution p exactly. Both positions go through the request's own
-processors (the chooser: watermark, penalties, grammar mask, warpers), as plain decoding does.
-Copied (n-gram) drafts are point distributions (q(d) = 1).
+Every position is chosen as plain decoding chooses it (chooser.py), so the drafts change how
+many positions one full forward decides, never which tokens come out. Greedy: a draft is the
+draft model's argmax and is kept while it equals the full model's argmax. Sampling: the draft
+at position t is `argmax(q / E_t)`, with the warped draft distribution q and the same noise E_t
+that chooses the full model's token `argmax(p / E_t)` there, and it is kept when the two are
+equal. The output is the full model's own draw under the request's seed, token for token, and
+follows p exactly; a draft whose q is close to p picks the same token under the same noise
+(the coupling accepts at least (1 - TV) / (1 + TV) of drafts, where speculative rejection
+sampling accepts 1 - TV, TV the total variation distance between p and q, but its tokens would
+depend on the drafts). Copied (n-gram) drafts are kept when the full model's draw is the copied
+token, with probability p(d) either way. Both positions go through the request's own processors
+(the chooser: watermark, penalties, grammar mask, warpers), as plain decoding does.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .chooser import NextTokenChooser, SamplingParams, apply_penalties, apply_warpers
+from .chooser import NextTokenChooser, SamplingParams, apply_penalties, apply_warpers, position_noise, race
 
 if TYPE_CHECKING:  # the model side imports this package; a runtime import would be circular
     from ..models.draft_head import DraftHead
@@ -24,14 +29,14 @@ if TYPE_CHECKING:  # the model side imports this package; a runtime import would
 
 @dataclass
 class Proposal:
-    """One row's drafts: token ids and the draft distributions they came from.
+    """One row's drafts: token ids, and under sampling the noise each model draft was raced with.
 
-    `draft_probs[j]` is the `[vocab]` distribution d_j was drawn from (sampling only), or None
-    for a copied n-gram draft: a point distribution, q(d_j) = 1.
+    `noise[j]` is E_t of draft j's position (`accept` races the full model's p with it again);
+    copied (n-gram) drafts have none, `accept` draws it.
     """
 
     token_ids: list[int] = field(default_factory=list)
-    draft_probs: list[torch.Tensor | None] = field(default_factory=list)
+    noise: list[torch.Tensor] = field(default_factory=list)
     source: str = "model"  # "model" (layer-skip draft) or "ngram"
     grammar_steps: int = 0  # model drafts the grammar matcher advanced over (none once it terminated)
 
@@ -47,14 +52,15 @@ def target_logits(params: SamplingParams, logits: torch.Tensor, prefix: list[int
     return apply_warpers(out, params) if params.has_warpers else out
 
 
-def draft_token(params: SamplingParams, generator: torch.Generator | None, logits: torch.Tensor,
-                prefix: list[int], proposal: Proposal, head: DraftHead | None = None, vocab_size: int = 0,
-                chooser: NextTokenChooser | None = None) -> int:
-    """Choose one draft token (greedy argmax, or a draw from the warped draft distribution);
-    with a chooser that has a grammar, the matcher advances over it (`accept` rolls it back).
+def draft_token(params: SamplingParams, logits: torch.Tensor, prefix: list[int], proposal: Proposal,
+                head: DraftHead | None = None, vocab_size: int = 0, chooser: NextTokenChooser | None = None) -> int:
+    """Choose one draft token (greedy argmax, or the race of the warped draft distribution with
+    the position's noise); with a chooser that has a grammar, the matcher advances over it
+    (`accept` rolls it back).
 
     Args:
         logits: `[vocab]`, or `[head.size]` when the draft ran a reduced head.
+        prefix: the request's tokens before this draft (prompt, generated, earlier drafts).
         head / vocab_size: the reduced head and the full vocabulary size (for sampling, penalties
             and grammar masks, which need the full-vocabulary form; q is zero outside the head's ids).
     """
@@ -63,16 +69,12 @@ def draft_token(params: SamplingParams, generator: torch.Generator | None, logit
     else:
         full = head.to_full(logits, vocab_size) if head is not None else logits
         warped = target_logits(params, full, prefix, chooser)
-        if generator is None or not bool(torch.isfinite(warped).any()):
-            # greedy, or a grammar that allows none of the reduced head's words: a point draft
-            # (q(d) = 1; verification rejects it unless the full model agrees)
-            token = int(warped.argmax())
-            if generator is not None:
-                proposal.draft_probs.append(None)
-        else:
-            probs = warped.softmax(-1)
-            token = int(torch.multinomial(probs, 1, generator=generator))
-            proposal.draft_probs.append(probs)
+        token = int(warped.argmax())
+        if params.sampling:
+            noise = position_noise(params.seed, len(prefix), warped.shape[-1])
+            proposal.noise.append(noise)
+            if bool(torch.isfinite(warped).any()):  # else a grammar allows none of the head's words
+                token = race(warped.log_softmax(-1), noise)
     proposal.token_ids.append(token)
     grammar = chooser.grammar if chooser is not None else None
     if grammar is not None and not grammar.terminated:
@@ -81,28 +83,12 @@ def draft_token(params: SamplingParams, generator: torch.Generator | None, logit
     return token
 
 
-def copied_drafts(token_ids: list[int], sampling: bool) -> Proposal:
-    """A proposal of copied (n-gram) drafts: point distributions."""
-    return Proposal(list(token_ids), [None] * len(token_ids) if sampling else [], "ngram")
+def copied_drafts(token_ids: list[int]) -> Proposal:
+    """A proposal of copied (n-gram) drafts."""
+    return Proposal(list(token_ids), source="ngram")
 
 
-def _rejection_step(generator: torch.Generator, p: torch.Tensor, q: torch.Tensor | None, draft: int) -> int:
-    """Speculative rejection sampling of one position: accept `draft` with min(1, p/q), else draw
-    from the residual max(p - q, 0) (for a point q: p without the draft token)."""
-    q_draft = 1.0 if q is None else float(q[draft])
-    if float(torch.rand((), generator=generator)) * q_draft < float(p[draft]):
-        return draft
-    if q is None:
-        residual = p.clone()
-        residual[draft] = 0
-    else:
-        residual = (p - q).clamp(min=0)
-    total = float(residual.sum())
-    return int(torch.multinomial(residual / total if total > 0 else p, 1, generator=generator))
-
-
-def accept(params: SamplingParams, generator: torch.Generator | None, verify_logits: torch.Tensor,
-           prefix: list[int], proposal: Proposal,
+def accept(params: SamplingParams, verify_logits: torch.Tensor, prefix: list[int], proposal: Proposal,
            chooser: NextTokenChooser | None = None) -> tuple[list[int], list[float], int]:
     """Accepted tokens (drafts then the full model's own), their logprobs, and the drafts kept.
 
@@ -118,12 +104,12 @@ def accept(params: SamplingParams, generator: torch.Generator | None, verify_log
     logprobs: list[float] = []
     for j, draft in enumerate([*proposal.token_ids, None]):
         logp = target_logits(params, verify_logits[j], prefix + tokens, chooser).log_softmax(-1)
-        if generator is None:
-            choice = int(logp.argmax())
-        elif draft is not None:
-            choice = _rejection_step(generator, logp.exp(), proposal.draft_probs[j], draft)
+        if params.sampling:
+            noise = (proposal.noise[j] if j < len(proposal.noise)
+                     else position_noise(params.seed, len(prefix) + j, logp.shape[-1]))
+            choice = race(logp, noise)
         else:
-            choice = int(torch.multinomial(logp.exp(), 1, generator=generator))
+            choice = int(logp.argmax())
         tokens.append(choice)
         logprobs.append(float(logp[choice]))
         if chooser is not None:
