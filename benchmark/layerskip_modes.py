@@ -2,7 +2,7 @@
 
 For each model and dtype: per prompt class (HumanEval completion, code editing with the code in
 the prompt, chat, long-context summarisation; layerskip_cli/prompt_classes.py) and batch size,
-greedy decoding (or, with `--temperature T`, seeded sampling at T, each prompt its own seed) with
+greedy decoding (or, with `--temperature T` [`--top-p P`], seeded sampling, each prompt its own seed) with
 - off: plain decoding;
 - verified: the shipped policy (`--policy auto`, or a file) with its drafting adapted as served
   (per-cycle draft length, per-rule switch-off, per-request auto-off), n-gram drafts included;
@@ -18,7 +18,7 @@ benchmark/results/layerskip_modes.json.
 Usage: PYTHONPATH=benchmark:tests .venv/bin/python benchmark/layerskip_modes.py
        [--models ID,ID] [--dtypes float32,bfloat16] [--batches 1,4] [--classes a,b] [--repeats 3]
        [--new-tokens 64] [--prompts-per-class 2] [--threads 2] [--policy auto|FILE] [--speculate 6]
-       [--temperature T]
+       [--temperature T] [--top-p P]
 """
 
 from __future__ import annotations
@@ -72,10 +72,9 @@ def prompt_texts(tokenizer: Any, per_class: int) -> dict[str, list[str]]:
 class Decoding:
     """One mode's decode of the prompts to the end (EOS ignored), advanced one step at a time;
     its tokens/s counts the time of its own decode steps only (the prefill is not timed).
-    Greedy, or with `temperature` seeded sampling (request i has seed i)."""
+    Greedy, or with `sampling` (request parameters) seeded sampling (request i has seed i)."""
 
-    def __init__(self, lm: CausalLM, prompts: list[str], new_tokens: int, temperature: float | None = None) -> None:
-        sampling = {} if temperature is None else {"do_sample": True, "temperature": temperature}
+    def __init__(self, lm: CausalLM, prompts: list[str], new_tokens: int, sampling: dict[str, Any]) -> None:
         requests = [make_request(i, p, new_tokens, ignore_eos=True, seed=i, **sampling)
                     for i, p in enumerate(prompts)]
         self.lm = lm
@@ -106,12 +105,12 @@ class Decoding:
 
 
 def decode_interleaved(runs: dict[str, CausalLM], order: list[str], prompts: list[str],
-                       new_tokens: int, temperature: float | None = None) -> dict[str, dict[str, Any]]:
+                       new_tokens: int, sampling: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Every mode's decode of the same prompts, step by step in turn (a round advances each live
     mode by one step, in `order`): a slow phase of the shared machine falls on every mode alike.
     Whole runs one after another spread by +-25% between repeats here, more than the effects
     measured (0.5B code completion at batch 4, nothing drafted: 0.68x, 0.98x and 1.19x off)."""
-    decodings = {name: Decoding(runs[name], prompts, new_tokens, temperature) for name in order}
+    decodings = {name: Decoding(runs[name], prompts, new_tokens, sampling) for name in order}
     while any(d.current is not None for d in decodings.values()):
         for d in decodings.values():
             if d.current is not None:
@@ -139,13 +138,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def side_by_side(runs: dict[str, CausalLM], prompts: list[str], new_tokens: int, repeats: int,
-                 temperature: float | None = None) -> dict[str, Any]:
+                 sampling: dict[str, Any]) -> dict[str, Any]:
     figures: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     names = list(runs)
     for repeat in range(repeats):  # each mode takes each place in a round in turn (no place's bias)
         shift = repeat % len(names)
         for name, result in decode_interleaved(runs, names[shift:] + names[:shift], prompts, new_tokens,
-                                               temperature).items():
+                                               sampling).items():
             figures[name].append(result)
     out: dict[str, Any] = {}
     for name, rows in figures.items():
@@ -184,13 +183,16 @@ def run_model(model_id: str, dtype: str, args: argparse.Namespace) -> dict[str, 
     lms, policy = model_lms(model_id, dtype, args.policy, args.speculate)
     cost = lms["verified"].costs()
     texts = prompt_texts(lms["off"].tokenizer, args.prompts_per_class)
+    sampling: dict[str, Any] = {}
+    if args.temperature is not None:
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
     result: dict[str, Any] = {"policy": policy, "cost_model": cost.to_json(), "rows": {}}
     print(f"{model_id} {dtype}: policy {policy}; verify(k+1)/step "
           f"{[round(v, 2) for v in cost.to_json()['verify_over_step']]}", flush=True)  # type: ignore[union-attr]
     for name in args.classes.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             prompts = (texts[name] * batch)[:batch]
-            r = side_by_side(lms, prompts, args.new_tokens, args.repeats, args.temperature)
+            r = side_by_side(lms, prompts, args.new_tokens, args.repeats, sampling)
             row = {"off_tps": r["off"]["tokens_per_s"],
                    "verified_ratio": r["verified"]["tokens_per_s"] / r["off"]["tokens_per_s"],
                    "speculate_ratio": r["speculate"]["tokens_per_s"] / r["off"]["tokens_per_s"],
@@ -221,6 +223,7 @@ def main() -> None:
     parser.add_argument("--speculate", type=int, default=6)
     parser.add_argument("--temperature", type=float, default=None,
                         help="sample at this temperature (request i seeded with i) instead of greedy decoding")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
     parser.add_argument("--out", default="layerskip_modes",
                         help="results name (benchmark/results/NAME.json) or a path ending in .json")
     args = parser.parse_args()

@@ -90,11 +90,7 @@ def apply_warpers(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         threshold = torch.topk(logits, k).values[-1]
         logits = logits.masked_fill(logits < threshold, -math.inf)
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=False)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cumulative <= (1 - params.top_p)
-        remove[-1] = False  # keep at least the most likely token
-        logits = logits.masked_fill(remove.scatter(0, order, remove), -math.inf)
+        logits = _top_p(logits, params.top_p)
     if params.typical_p < 1.0:
         logp = logits.log_softmax(-1)
         entropy = -(logp.exp() * logp).nansum()
@@ -130,6 +126,28 @@ def position_noise(seed: int, position: int, size: int) -> torch.Tensor:
 def race(logprobs: torch.Tensor, noise: torch.Tensor) -> int:
     """The token `argmax(p / E)` of one position: an exact draw from p = exp(logprobs)."""
     return int(torch.argmax(logprobs.exp() / noise))
+
+
+TOP_P_CANDIDATES = 256  # the most likely words top-p looks at first (16x more, then all, if their mass is short)
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filtering: a word stays while the words more likely than it hold less than
+    `top_p` of the mass (so the most likely always stays; upstream's rule, which removes the
+    least likely words while their mass is at most 1 - top_p). Only the nucleus needs ordering:
+    the most likely candidates come from `topk`, not a sort of the whole vocabulary (0.4 against
+    10 ms on a 152k-word one); when they hold less than `top_p`, more are taken."""
+    probs = logits.double().softmax(-1)  # float32 sums of ~1e5 tiny probabilities drift by ~1e-4
+    n = probs.shape[-1]
+    k = min(TOP_P_CANDIDATES, n)
+    while True:
+        values, ids = torch.topk(probs, k)  # descending
+        cumulative = values.cumsum(-1)
+        if k == n or float(cumulative[-1]) >= top_p:  # every other word has at least top_p before it
+            break
+        k = min(16 * k, n)
+    keep = ids[(cumulative - values) < top_p]
+    return torch.full_like(logits, -math.inf).index_copy_(0, keep, logits[keep])
 
 
 @dataclass(frozen=True)
