@@ -456,3 +456,24 @@ def test_bad_settings_are_refused_by_name(tmp_path: Path) -> None:
     again = read_policy(path)
     assert again.objective == "verified" and again.default.draft == DraftSettings(4, 0.8)
     assert again.draft_vocab is not None and again.draft_vocab.token_ids == (1, 2, 3, 4)
+
+
+def test_sampled_rows_pay_their_token_choices() -> None:
+    """A sampled row chooses a token at each draft and each verified position (cost.sample_s):
+    drafts that pay a greedy row do not pay it when a choice costs a fifth of a step."""
+    cost = replace(CostModel((1, 2, 4, 8), (1.0, 1.1, 1.2, 1.4), layer_s=0.3), sample_s=0.2)  # drafts: 0.4 steps
+    controller = DraftController(lambda: cost, max_draft=4, ngram=False)
+    controller.rule("r", 0.7)
+    skip = frozenset({1, 2})
+    greedy = _state(1, [1, 2, 3], SpecState(rule="r", skip=skip))
+    sampled = RequestState(id=2, all_ids=[1, 2, 3], input_length=3,
+                           chooser=NextTokenChooser(SamplingParams(do_sample=True, seed=1)),
+                           stopping=StoppingCriteria(8, frozenset()), spec=SpecState(rule="r", skip=skip))
+    for state in (greedy, sampled):  # both have learnt their acceptance (0.7): no drafts for learning's sake
+        for _ in range(3):
+            controller.record(state, "model", 3, 2)
+        controller.record(state, "model", 1, 1)
+    assert controller.plan_cycle([greedy]).model_k > 0
+    assert controller.plan_cycle([sampled]).model_k == 0
+    controller.costs = lambda: replace(cost, sample_s=0.0)  # choices for free: the sampled row drafts too
+    assert controller.plan_cycle([sampled]).model_k > 0

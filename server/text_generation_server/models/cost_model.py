@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from ..sampling import NextTokenChooser, SamplingParams
 from .draft_head import DraftHeads
 from .runner.base import Runner
 from .runner.kv_cache import KVCache
@@ -109,6 +110,10 @@ class CostModel:
         attention_s: seconds per activation row (rows x new tokens) per cached column beyond
             `context`, over all layers.
         num_layers: the model's layers (a draft pays attention for the layers it keeps); 0: unknown.
+        sample_s: choosing one sampled position's token over the full vocabulary (warpers, the
+            position's noise, the race; sampling/chooser.py): a sampled row pays it at each
+            draft and each verified position, ~1 ms on a 152k vocabulary, a fiftieth of a
+            4-row bfloat16 step of the 0.5B.
     """
 
     tokens: tuple[int, ...]
@@ -122,6 +127,7 @@ class CostModel:
     context: int = 64
     attention_s: float = 0.0
     num_layers: int = 0
+    sample_s: float = 0.0
     # full_s at the measured context per (rows, tokens): a cycle's plan prices dozens of forwards
     # per step (the 4-row plan took ~0.4 ms, 1% of a bfloat16 step, interpolating them afresh).
     _prices: dict[tuple[int, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -236,7 +242,7 @@ class CostModel:
                 "batched_ms": {str(rows): {str(t): s * 1000 for t, s in zip(*ladder, strict=True)}
                                for rows, ladder in self.batched.items()},
                 "layer_ms": self.layer_s * 1000, "head_ms": self.head_s * 1000, "context": self.context,
-                "attention_us_per_row_column": self.attention_s * 1e6,
+                "attention_us_per_row_column": self.attention_s * 1e6, "sample_ms": self.sample_s * 1000,
                 "draft_base_ms": (self.draft_base_s or self.step_s) * 1000,
                 "drafts": [{"skip": sorted(skip), "vocab": vocab, "ms_1_row": one * 1000, "ms_4_rows": four * 1000,
                             "draft_over_step": one / self.step_s}
@@ -282,7 +288,20 @@ class CostModel:
         return cls(ladder, monotone(seconds[p] for p in forward), layer_s, head_s, vocab_size,
                    {key: (seconds[one], seconds[four]) for key, (one, four) in drafts.items()},
                    {rows: (BATCH_TOKENS, monotone(seconds[p] for p in probes)) for rows, probes in batched.items()},
-                   seconds[draft_base], context, attention_s, layers)
+                   seconds[draft_base], context, attention_s, layers, _sample_seconds(runner.vocab_size, repeats))
+
+
+def _sample_seconds(vocab_size: int, repeats: int) -> float:
+    """Median time of one sampled token choice (temperature 0.7) over `vocab_size` logits."""
+    chooser = NextTokenChooser(SamplingParams(do_sample=True, temperature=0.7))
+    logits = torch.randn(vocab_size, generator=torch.Generator().manual_seed(0))
+    history = torch.arange(64)
+    times = []
+    for _ in range(max(repeats, 3)):
+        start = time.perf_counter()
+        chooser(logits, history)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 class _Timer:

@@ -219,10 +219,21 @@ class DraftController:
         longest_copy = max((len(ng) for ng in ngram), default=0)
 
         # Expected tokens per k: the other rows' are fixed, each model row's acceptance read once.
-        fixed = sum(self._expected(s, ng) for s, ng, m in zip(states, ngram, model_rows, strict=True) if not m)
-        accepts = [self.acceptance(s.spec) for s, m in zip(states, model_rows, strict=True) if m and s.spec]
-        rate = [(fixed + (sum(tokens_per_cycle(a, k) for a in accepts) if k else len(accepts)))
-                / cost.cycle_s(rows, k, draft, max(k, longest_copy), context) for k in range(self.max_draft + 1)]
+        # Sampled rows also pay a token choice (cost.sample_s) per position: a model row at each
+        # of its k drafts and at each position verification decides (its tokens).
+        others = [(s, ng) for s, ng, m in zip(states, ngram, model_rows, strict=True) if not m]
+        fixed = sum(self._expected(s, ng) for s, ng in others)
+        fixed_choices = sum(self._expected(s, ng) for s, ng in others if s.chooser.params.sampling)
+        drafters = [(s, s.spec) for s, m in zip(states, model_rows, strict=True) if m and s.spec]
+        accepts = [self.acceptance(spec) for _, spec in drafters]
+        sampled = [a for a, (s, _) in zip(accepts, drafters, strict=True) if s.chooser.params.sampling]
+
+        def seconds(k: int) -> float:
+            choices = fixed_choices + sum(k + tokens_per_cycle(a, k) if k else 1.0 for a in sampled)
+            return cost.cycle_s(rows, k, draft, max(k, longest_copy), context) + cost.sample_s * choices
+
+        rate = [(fixed + (sum(tokens_per_cycle(a, k) for a in accepts) if k else len(accepts))) / seconds(k)
+                for k in range(self.max_draft + 1)]
         best = max(range(1, self.max_draft + 1), key=rate.__getitem__)
         bar = MIN_GAIN if rows == 1 else self.rows_bar()
         if not self.force and rate[best] < bar * rate[0]:
