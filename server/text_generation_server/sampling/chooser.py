@@ -107,8 +107,9 @@ _MASK64 = (1 << 64) - 1
 
 
 def _position_seed(seed: int, position: int) -> int:
-    """The `position`-th output of the splitmix64 stream started at `seed` (a 64-bit mix: nearby
-    seeds and positions give unrelated generator seeds)."""
+    """The `position`-th output of the splitmix64 stream started at `seed`: nearby seeds and
+    positions give unrelated generator seeds (torch's CPU generator keeps their low 32 bits, so
+    two positions of a request share their noise with a chance of about 1 in 4e9 per pair)."""
     z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
