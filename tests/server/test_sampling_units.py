@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from text_generation_server.sampling import NextTokenChooser, SamplingParams, apply_warpers
-from text_generation_server.sampling.chooser import TOP_P_CANDIDATES
+from text_generation_server.sampling.chooser import CANDIDATES
+
+
+def finite(logits: torch.Tensor, kept: torch.Tensor) -> set[int]:
+    return {i for i in kept.nonzero().flatten().tolist() if math.isfinite(float(logits[i]))}
 
 
 def nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> set[int]:
@@ -17,29 +21,43 @@ def nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> set[int]:
     ascending, order = torch.sort(logits.double())
     remove = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
     remove[-1] = False
-    kept = (~remove.scatter(0, order, remove)).nonzero().flatten().tolist()
-    return {i for i in kept if math.isfinite(float(logits[i]))}
+    return finite(logits, ~remove.scatter(0, order, remove))
 
 
+def typical_by_full_sort(logits: torch.Tensor, typical_p: float) -> set[int]:
+    """Upstream's typical-p rule (transformers' TypicalLogitsWarper) in float64: sort by the
+    distance of surprisal from entropy, cut where the cumulative probability reaches typical_p,
+    keep every word at most as far as the word there."""
+    logp = logits.double().log_softmax(-1)
+    distance = (-logp + (logp.exp() * logp).nansum()).abs()
+    ordered, order = torch.sort(distance)
+    last = int((logp.exp()[order].cumsum(-1) < typical_p).sum())
+    return finite(logits, distance <= ordered[min(last, len(ordered) - 1)])
+
+
+WARPERS = {"top_p": nucleus_by_full_sort, "typical_p": typical_by_full_sort}
+
+
+@pytest.mark.parametrize("warper", list(WARPERS))
 @pytest.mark.parametrize("vocab", [7, 1000, 151936])
-def test_top_p_keeps_upstream_s_nucleus(vocab: int) -> None:
-    """Peaked and flat distributions, some with half the words masked, nuclei from 1 word to
-    most of a 152k vocabulary (far beyond the TOP_P_CANDIDATES that topk looks at first): the
-    words kept are the full sort's, exactly, and keep their logits."""
+def test_top_p_and_typical_p_keep_upstream_s_words(warper: str, vocab: int) -> None:
+    """Peaked and flat distributions, some with half the words masked, kept sets from 1 word to
+    most of a 152k vocabulary (far beyond the CANDIDATES that topk orders first): the words kept
+    are those of a sort of the whole vocabulary, exactly, and keep their logits."""
     generator = torch.Generator().manual_seed(vocab)
     largest = 0
     for case in range(12):
         logits = torch.randn(vocab, generator=generator) * (0.1, 1.0, 3.0, 10.0)[case % 4]
         if case % 3 == 0:
             logits[torch.randperm(vocab, generator=generator)[: vocab // 2]] = -math.inf
-        for top_p in (0.1, 0.5, 0.9, 0.95, 0.999):
-            warped = apply_warpers(logits, SamplingParams(top_p=top_p))
+        for p in (0.1, 0.5, 0.9, 0.95, 0.999):
+            warped = apply_warpers(logits, SamplingParams(**{warper: p}))  # type: ignore[arg-type]
             kept = torch.isfinite(warped)
-            assert set(kept.nonzero().flatten().tolist()) == nucleus_by_full_sort(logits, top_p), (case, top_p)
+            assert finite(logits, kept) == WARPERS[warper](logits, p), (case, p)
             assert torch.equal(warped[kept], logits[kept])
             largest = max(largest, int(kept.sum()))
-    if vocab > TOP_P_CANDIDATES:
-        assert largest > TOP_P_CANDIDATES  # the path that takes more candidates ran
+    if vocab > CANDIDATES:
+        assert largest > CANDIDATES  # the path that orders more candidates ran
 
 
 def test_a_seeded_choice_depends_on_its_seed_and_position_only() -> None:
