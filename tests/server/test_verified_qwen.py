@@ -2,7 +2,7 @@
 TGI_VERIFIED_DTYPE: bfloat16 takes its own shipped policy, and the amx kernels on AMX CPUs),
 with its shipped policy (reduced draft head, calibrated skip set) and both drafters: greedy
 output equals `off` token for token, alone and in a batch that mixes off, shadow, verified and
---speculate rows.
+--speculate rows; seeded sampled output too, alone.
 
 Drafting is forced on (`auto_off = False`), so every step of a verified request is a real cycle
 whatever the cost model says on this CPU. Bounded for `make test`: one prompt per class (HumanEval
@@ -140,3 +140,22 @@ def test_greedy_mixed_batch_equals_off(qwen: Qwen) -> None:
         tokens, _, _, _ = run(qwen.speculating, [make_request(i, p, NEW_TOKENS) for i, p in chunk])
         assert tokens == expected, f"a --speculate row of the batch of prompts {ids} differs from off"
     assert qwen.speculating.speculate == 4
+
+
+def test_seeded_sampling_verified_equals_off(qwen: Qwen) -> None:
+    """Seeded sampling (temperature 0.7, top_p 0.95, seed = the prompt's id): a verified row,
+    drafting with the shipped policy, and a --speculate 4 row give off's tokens: their drafts
+    change how many positions a forward decides, not the draws (sampling/speculative.py)."""
+    drafted = accepted = 0
+    for i, prompt in qwen.prompts.items():
+        sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.95, "seed": i}
+        expected = run(qwen.off, [make_request(i, prompt, NEW_TOKENS, **sampling)])[0][i]
+        tokens, _, _, reports = run(qwen.verified, [make_request(i, prompt, NEW_TOKENS, **sampling)])
+        assert tokens[i] == expected, f"prompt {i}: verified sampling differs from off's"
+        speculated = run(qwen.speculating, [make_request(i, prompt, NEW_TOKENS, **sampling)])[0][i]
+        assert speculated == expected, f"prompt {i}: --speculate differs from off's"
+        stats = reports[i].stats  # type: ignore[attr-defined]
+        drafted += int(stats["drafted"])
+        accepted += int(stats["accepted"])
+    print(f"\n{MODEL_ID} sampled: {len(qwen.prompts)} prompts identical to off; {drafted} drafted, {accepted} accepted")
+    assert drafted > 0 and accepted > 0
