@@ -221,9 +221,10 @@ class DraftController:
         # Expected tokens per k: the other rows' are fixed, each model row's acceptance read once.
         # Sampled rows also pay a token choice (cost.sample_s) per position: a model row at each
         # of its k drafts and at each position verification decides (its tokens).
-        others = [(s, ng) for s, ng, m in zip(states, ngram, model_rows, strict=True) if not m]
-        fixed = sum(self._expected(s, ng) for s, ng in others)
-        fixed_choices = sum(self._expected(s, ng) for s, ng in others if s.chooser.params.sampling)
+        others = [(self._expected(s, ng), s.chooser.params.sampling)
+                  for s, ng, m in zip(states, ngram, model_rows, strict=True) if not m]
+        fixed = sum(tokens for tokens, _ in others)
+        fixed_choices = sum(tokens for tokens, sampled in others if sampled)
         drafters = [(s, s.spec) for s, m in zip(states, model_rows, strict=True) if m and s.spec]
         accepts = [self.acceptance(spec) for _, spec in drafters]
         sampled = [a for a, (s, _) in zip(accepts, drafters, strict=True) if s.chooser.params.sampling]
