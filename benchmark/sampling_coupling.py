@@ -25,7 +25,7 @@ import torch
 from layerskip_modes import model_lms, prompt_texts
 
 from text_generation_server.models.causal_lm import CausalLM
-from text_generation_server.sampling.chooser import position_noise
+from text_generation_server.sampling.chooser import position_noise, race
 
 from common import write_results
 
@@ -50,10 +50,10 @@ def first_draft_acceptance(lm: CausalLM, prompt: str, tokens: int, temperature: 
         if head is not None:
             q = head.to_full(q, runner.vocab_size)
         logits = runner.forward(torch.tensor([[x]]), position, mask, cache)[0, -1].float()
-        p, q = (logits / temperature).softmax(-1), (q / temperature).softmax(-1)
-        rejection.append(float(torch.minimum(p, q).sum()))
-        noises = (position_noise(seed, n, p.shape[-1]) for seed in range(draws))
-        coupling.append(sum(int(torch.argmax(p / e) == torch.argmax(q / e)) for e in noises) / draws)
+        logp, logq = (logits / temperature).log_softmax(-1), (q / temperature).log_softmax(-1)
+        rejection.append(float(torch.minimum(logp.exp(), logq.exp()).sum()))
+        noises = (position_noise(seed, n, logp.shape[-1]) for seed in range(draws))
+        coupling.append(sum(int(race(logp, e) == race(logq, e)) for e in noises) / draws)
         n, x = n + 1, int(logits.argmax())
     return rejection, coupling
 
