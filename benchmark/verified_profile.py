@@ -8,12 +8,12 @@ step, records the stage times CausalLM reports (plan, forward, choose, stop) and
 the cycle it ran (model drafts and their number k, copied drafts, or a plain step).
 It reports per kind of step and row count: count, measured forward ms, the cost model's price,
 their ratio, and the step's other stages; and the whole decode's tokens/s ratio. `--batch N`
-decodes N copies of each prompt together (how batch-4 cycles compare with their price). JSON in
+decodes N copies of each prompt together (with `--temperature`, each row its own seed) (how batch-4 cycles compare with their price). JSON in
 benchmark/results/verified_profile.json.
 
 Usage: PYTHONPATH=benchmark:tests .venv/bin/python benchmark/verified_profile.py
        [--model ID] [--dtype float32] [--class code_completion] [--prompts 2] [--batch 1]
-       [--new-tokens 64] [--min-gain-rows F]
+       [--new-tokens 64] [--min-gain-rows F] [--temperature T [--top-p P]]
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from common import write_results
 from factories import make_batch, make_request
 
 
-def _decode(lm: CausalLM, prompts: list[str], new_tokens: int) -> CausalLMBatch | None:
-    requests = [make_request(i, p, new_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
+def _decode(lm: CausalLM, prompts: list[str], new_tokens: int, sampling: dict[str, Any]) -> CausalLMBatch | None:
+    requests = [make_request(i, p, new_tokens, ignore_eos=True, seed=i, **sampling) for i, p in enumerate(prompts)]
     batch = CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers, lm.eos_token_ids,
                                   8192)
     _, current, _ = lm.generate_token(batch)
@@ -68,9 +68,10 @@ def _cycle(lm: CausalLM, batch: CausalLMBatch, before: list[tuple[int, int, int,
     return "plain", cost.full_s(rows, 1, context)
 
 
-def profile(lms: dict[str, CausalLM], prompts: list[str], new_tokens: int) -> dict[str, list[dict[str, Any]]]:
+def profile(lms: dict[str, CausalLM], prompts: list[str], new_tokens: int,
+            sampling: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Per mode, one record per decode step: kind, rows, tokens, context, price, wall and stage ms."""
-    current = {mode: _decode(lms[mode], prompts, new_tokens) for mode in ("off", "verified")}
+    current = {mode: _decode(lms[mode], prompts, new_tokens, sampling) for mode in ("off", "verified")}
     steps: dict[str, list[dict[str, Any]]] = {mode: [] for mode in current}
     while any(b is not None for b in current.values()):
         for mode, batch in current.items():
@@ -117,6 +118,9 @@ def main() -> None:
     parser.add_argument("--min-gain-rows", type=float, default=None,
                         help="override draft_control.MIN_GAIN_ROWS of --dtype, on any kernels, for this run")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="seeded sampling at this temperature (row i has seed i) instead of greedy decoding")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="verified_profile")
     args = parser.parse_args()
@@ -132,9 +136,12 @@ def main() -> None:
     print(f"{args.model} {args.dtype}: policy {policy}; step {cost.step_s * 1e3:.1f} ms, verify(k+1)/step "
           f"{[round(s / cost.step_s, 2) for s in cost.verify_s]}; drafts "
           f"{[(sorted(s), v, round(one * 1e3, 1)) for (s, v), (one, _) in cost.drafts.items()]}", flush=True)
+    sampling: dict[str, Any] = {}
+    if args.temperature is not None:
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
     steps: dict[str, list[dict[str, Any]]] = {"off": [], "verified": []}
     for prompt in texts:
-        for mode, records in profile(lms, [prompt] * args.batch, args.new_tokens).items():
+        for mode, records in profile(lms, [prompt] * args.batch, args.new_tokens, sampling).items():
             steps[mode].extend(records)
     rates = {mode: sum(r["tokens"] for r in rs) / sum(r["wall_ms"] for r in rs) * 1e3 for mode, rs in steps.items()}
     kinds = summarize(steps)
