@@ -122,6 +122,25 @@ def test_sampling_stays_exact_with_a_reduced_head_or_a_copied_draft(kind: str) -
     assert chi2 < 24.3, f"chi-square {chi2:.1f} with 7 degrees of freedom (p < 0.001 above 24.3)"  # noqa: PLR2004
 
 
+@pytest.mark.parametrize("warper", [{}, {"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.8}, {"typical_p": 0.9}])
+def test_a_sampled_draft_over_a_reduced_head_races_as_the_full_vocabulary_would(warper: dict[str, float]) -> None:
+    """Without penalties, grammar or watermark a reduced head's draft races its own words (with
+    their noise) instead of a full-vocabulary copy with -inf elsewhere: the same token and noise."""
+    from text_generation_server.models.draft_head import DraftHead
+
+    generator = torch.Generator().manual_seed(5)
+    vocab = 1000
+    head = DraftHead(torch.randperm(vocab, generator=generator)[:300], torch.zeros((300, 1)))
+    for seed in range(100):
+        params = SamplingParams(do_sample=True, seed=seed, **warper)  # type: ignore[arg-type]
+        logits = torch.randn(300, generator=generator) * 3
+        reduced, full = Proposal(), Proposal()
+        draft_token(params, logits, [1, 2, 3], reduced, head, vocab)
+        draft_token(params, head.to_full(logits, vocab), [1, 2, 3], full, None, vocab)
+        assert reduced.token_ids == full.token_ids, f"seed {seed}"
+        assert torch.equal(reduced.noise[0], full.noise[0])
+
+
 def test_cost_model_interpolates_and_prefers_cheap_verification() -> None:
     cheap = CostModel((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.3), layer_s=0.03, head_s=0.2, vocab_size=1000)
     assert cheap.full_s(3) == pytest.approx(1.075) and cheap.full_s(12) == pytest.approx(1.5)

@@ -16,6 +16,7 @@ token, with probability p(d) either way. Both positions go through the request's
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -64,14 +65,21 @@ def draft_token(params: SamplingParams, logits: torch.Tensor, prefix: list[int],
         head / vocab_size: the reduced head and the full vocabulary size (for sampling, penalties
             and grammar masks, which need the full-vocabulary form; q is zero outside the head's ids).
     """
-    if head is not None and params.is_plain_greedy and (chooser is None or chooser.is_plain_greedy):
+    warps_only = not params.has_penalties and (chooser is None or chooser.warps_only)
+    if head is not None and warps_only and not params.sampling:
         token = int(head.to_ids(logits.max(-1).indices))
+    elif head is not None and warps_only:
+        # q is zero outside the head's ids and the warpers act on q alone: the race over the head's
+        # words is the full vocabulary's (the noise is drawn whole: `accept` races p with it)
+        proposal.noise.append(position_noise(params.seed, len(prefix), vocab_size))
+        warped = apply_warpers(logits, params) if params.has_warpers else logits
+        token = int(head.token_ids[race(warped.log_softmax(-1), proposal.noise[-1][head.token_ids])])
     else:
         full = head.to_full(logits, vocab_size) if head is not None else logits
         warped = target_logits(params, full, prefix, chooser)
         if params.sampling:
             proposal.noise.append(position_noise(params.seed, len(prefix), warped.shape[-1]))
-        if params.sampling and bool(torch.isfinite(warped).any()):
+        if params.sampling and float(warped.max()) > -math.inf:
             token = race(warped.log_softmax(-1), proposal.noise[-1])
         else:  # greedy, or a grammar allows none of the head's words (the draft will not be kept)
             token = int(warped.max(-1).indices)
