@@ -8,8 +8,8 @@ step, records the stage times CausalLM reports (plan, forward, choose, stop) and
 the cycle it ran (model drafts and their number k, copied drafts, or a plain step).
 It reports per kind of step and row count: count, measured forward ms, the cost model's price,
 their ratio, and the step's other stages; and the whole decode's tokens/s ratio. `--batch N`
-decodes N copies of each prompt together (with `--temperature`, each row its own seed) (how batch-4 cycles compare with their price). JSON in
-benchmark/results/verified_profile.json.
+decodes N copies of each prompt together (how batch-4 cycles compare with their price);
+`--temperature T` samples, row i with seed i. JSON in benchmark/results/verified_profile.json.
 
 Usage: PYTHONPATH=benchmark:tests .venv/bin/python benchmark/verified_profile.py
        [--model ID] [--dtype float32] [--class code_completion] [--prompts 2] [--batch 1]

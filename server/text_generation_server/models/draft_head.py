@@ -39,8 +39,8 @@ class DraftHead:
     def to_full(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """`[..., n]` head logits as `[..., vocab_size]` logits, -inf outside the head's ids.
 
-        Sampling needs the full-vocabulary form: penalties and grammar masks index by token id,
-        and the draft distribution q is zero outside the subset.
+        Penalties, grammar masks and the watermark index by token id: a draft under any of them
+        is chosen in this form (the draft distribution q is zero outside the subset).
         """
         full = torch.full((*logits.shape[:-1], vocab_size), float("-inf"), dtype=logits.dtype)
         full[..., self.token_ids] = logits

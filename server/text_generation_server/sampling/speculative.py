@@ -62,8 +62,8 @@ def draft_token(params: SamplingParams, logits: torch.Tensor, prefix: list[int],
     Args:
         logits: `[vocab]`, or `[head.size]` when the draft ran a reduced head.
         prefix: the request's tokens before this draft (prompt, generated, earlier drafts).
-        head / vocab_size: the reduced head and the full vocabulary size (for sampling, penalties
-            and grammar masks, which need the full-vocabulary form; q is zero outside the head's ids).
+        head / vocab_size: the reduced head and the full vocabulary size (q is zero outside the
+            head's ids; penalties, grammar masks and the watermark take the full-vocabulary form).
     """
     warps_only = not params.has_penalties and (chooser is None or chooser.warps_only)
     if head is not None and warps_only and not params.sampling:
