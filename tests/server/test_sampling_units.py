@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from text_generation_server.sampling import NextTokenChooser, SamplingParams, apply_warpers
-from text_generation_server.sampling.chooser import CANDIDATES
+from text_generation_server.sampling.chooser import LEAD_NATS
 
 
 def finite(logits: torch.Tensor, kept: torch.Tensor) -> set[int]:
@@ -17,11 +17,13 @@ def finite(logits: torch.Tensor, kept: torch.Tensor) -> set[int]:
 
 def nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> set[int]:
     """Upstream's top-p rule (transformers' TopPLogitsWarper) in float64: sort ascending and
-    remove words while their cumulative probability is at most 1 - top_p, keeping the last."""
+    remove words while their cumulative probability is at most 1 - top_p, keeping the last; then
+    the words tied with the least likely word kept, whatever their place in the sort."""
     ascending, order = torch.sort(logits.double())
     remove = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
     remove[-1] = False
-    return finite(logits, ~remove.scatter(0, order, remove))
+    kept = ~remove.scatter(0, order, remove)
+    return finite(logits, logits >= logits[kept].min())
 
 
 def typical_by_full_sort(logits: torch.Tensor, typical_p: float) -> set[int]:
@@ -41,23 +43,29 @@ WARPERS = {"top_p": nucleus_by_full_sort, "typical_p": typical_by_full_sort}
 @pytest.mark.parametrize("warper", list(WARPERS))
 @pytest.mark.parametrize("vocab", [7, 1000, 151936])
 def test_top_p_and_typical_p_keep_upstream_s_words(warper: str, vocab: int) -> None:
-    """Peaked and flat distributions, some with half the words masked, kept sets from 1 word to
-    most of a 152k vocabulary (far beyond the CANDIDATES that topk orders first): the words kept
-    are those of a sort of the whole vocabulary, exactly, and keep their logits."""
+    """Peaked and flat distributions, some in bf16 values (ties), some with half the words masked,
+    kept sets from 1 word to most of a 152k vocabulary, and words needed 18 nats below the best
+    (beyond the LEAD_NATS that are ordered first): the words kept are those of a sort of the whole
+    vocabulary, exactly, and keep their logits."""
     generator = torch.Generator().manual_seed(vocab)
     largest = 0
-    for case in range(12):
-        logits = torch.randn(vocab, generator=generator) * (0.1, 1.0, 3.0, 10.0)[case % 4]
+    for case in range(15):
+        logits = torch.randn(vocab, generator=generator) * (0.1, 1.0, 3.0, 10.0, 0.1)[case % 5]
+        if case % 2:  # bf16 values: many ties, some at the cut
+            logits = logits.bfloat16().float()
         if case % 3 == 0:
             logits[torch.randperm(vocab, generator=generator)[: vocab // 2]] = -math.inf
-        for p in (0.1, 0.5, 0.9, 0.95, 0.999):
+        if case % 5 == 4:  # one word 18 nats above the rest, whose mass is needed at 0.999999
+            logits[0] = 18.0
+        for p in (0.1, 0.5, 0.9, 0.95, 0.999, 0.999999):
             warped = apply_warpers(logits, SamplingParams(**{warper: p}))  # type: ignore[arg-type]
             kept = torch.isfinite(warped)
             assert finite(logits, kept) == WARPERS[warper](logits, p), (case, p)
             assert torch.equal(warped[kept], logits[kept])
             largest = max(largest, int(kept.sum()))
-    if vocab > CANDIDATES:
-        assert largest > CANDIDATES  # the path that orders more candidates ran
+            if case % 5 == 4 and p == 0.999999 and vocab > 7:  # noqa: PLR2004
+                assert bool((logits[kept] < 18.0 - LEAD_NATS).any()), "the ordered words were widened"
+    assert largest >= vocab // 2  # kept sets reach most of the vocabulary
 
 
 def test_a_seeded_choice_depends_on_its_seed_and_position_only() -> None:

@@ -133,35 +133,37 @@ def race(logprobs: torch.Tensor, noise: torch.Tensor) -> int:
     return int((logprobs + noise).max(-1).indices)
 
 
-CANDIDATES = 256  # the words top-p and typical-p order first (16x more, then all, while their mass is short)
+LEAD_NATS = 16.0  # top-p and typical-p order the words this close to the best first (then wider, see _leading)
 
 
 def _leading(key: torch.Tensor, probs: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ids of the words of highest `key`, in descending order, as many as it takes for their
-    probabilities to reach `mass` (all words if they never do), and their cumulative probabilities.
-    Only those words are ordered: `topk` of CANDIDATES, then 16x more, instead of a sort of the
-    whole vocabulary (0.4 against 10 ms on a 152k-word one)."""
-    n = key.shape[-1]
-    k = min(CANDIDATES, n)
+    """The ids of the words of highest `key` (in nats: a logit, or minus a distance in nats), in
+    descending order, at least as many as it takes for their probabilities to reach `mass` (all
+    words if they never do), and their cumulative probabilities. Only the words within LEAD_NATS
+    of the best key are ordered (then 4x, 16x.. wider, then all, while their mass is short), found
+    by one comparison: `topk` of 256 words took 0.38 ms on a 152k-word vocabulary, a sort of it
+    10 ms."""
+    best = key.max()
+    width = LEAD_NATS
     while True:
-        ids = torch.topk(key, k).indices
+        ids = (key >= best - width).nonzero().flatten()
+        ids = ids[torch.sort(key[ids], descending=True, stable=True).indices]
         cumulative = probs[ids].cumsum(-1)
-        if k == n or float(cumulative[-1]) >= mass:
+        if ids.shape[-1] == key.shape[-1] or float(cumulative[-1]) >= mass:
             return ids, cumulative
-        k = min(16 * k, n)
-
-
-def _keep(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    return torch.full_like(logits, -math.inf).index_copy_(0, keep, logits[keep])
+        width = 4 * width if width < 1e4 else math.inf
 
 
 def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Nucleus filtering (upstream's rule: remove the least likely words while their mass is at
     most 1 - top_p): a word stays while the words more likely than it hold less than `top_p`, so
-    the most likely always stays. In float64: float32 sums of ~1e5 tiny probabilities drift by ~1e-4."""
+    the most likely always stays, and so do the words tied with the last one kept (bf16 logits
+    tie often at the cut, 3 of 72 positions of the 0.5B, where a sort keeps some of a tie by
+    position). In float64: float32 sums of ~1e5 tiny probabilities drift by ~1e-4."""
     probs = logits.double().softmax(-1)
-    ids, cumulative = _leading(probs, probs, top_p)
-    return _keep(logits, ids[(cumulative - probs[ids]) < top_p])
+    ids, cumulative = _leading(logits, probs, top_p)  # the logits order the words as their probabilities do
+    kept = int(((cumulative - probs[ids]) < top_p).sum())  # a prefix: the cumulative sums only grow
+    return torch.where(logits >= logits[ids[kept - 1]], logits, -math.inf)
 
 
 def _typical_p(logits: torch.Tensor, typical_p: float) -> torch.Tensor:
@@ -173,7 +175,7 @@ def _typical_p(logits: torch.Tensor, typical_p: float) -> torch.Tensor:
     distance = (-logp - entropy).abs()
     ids, cumulative = _leading(-distance, logp.exp(), typical_p)
     last = min(int((cumulative < typical_p).sum()), ids.shape[-1] - 1)
-    return _keep(logits, (distance <= distance[ids[last]]).nonzero().flatten())
+    return torch.where(distance <= distance[ids[last]], logits, -math.inf)
 
 
 @dataclass(frozen=True)
