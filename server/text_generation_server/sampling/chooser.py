@@ -158,7 +158,7 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Nucleus filtering (upstream's rule: remove the least likely words while their mass is at
     most 1 - top_p): a word stays while the words more likely than it hold less than `top_p`, so
     the most likely always stays, and so do the words tied with the last one kept (bf16 logits
-    tie often at the cut, 3 of 72 positions of the 0.5B, where a sort keeps some of a tie by
+    tie often at the cut, 3-5 of 72 positions of the 0.5B, where a sort keeps some of a tie by
     position). In float64: float32 sums of ~1e5 tiny probabilities drift by ~1e-4."""
     probs = logits.double().softmax(-1)
     ids, cumulative = _leading(logits, probs, top_p)  # the logits order the words as their probabilities do
