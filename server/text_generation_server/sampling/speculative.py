@@ -53,6 +53,11 @@ def target_logits(params: SamplingParams, logits: torch.Tensor, prefix: list[int
     return apply_warpers(out, params) if params.has_warpers else out
 
 
+def _warps_only(params: SamplingParams, chooser: NextTokenChooser | None) -> bool:
+    """No processor but the warpers (`NextTokenChooser.warps_only`; without a chooser: no penalty)."""
+    return not params.has_penalties and (chooser is None or chooser.warps_only)
+
+
 def draft_token(params: SamplingParams, logits: torch.Tensor, prefix: list[int], proposal: Proposal,
                 head: DraftHead | None = None, vocab_size: int = 0, chooser: NextTokenChooser | None = None) -> int:
     """Choose one draft token (greedy argmax, or the race of the warped draft distribution with
@@ -65,7 +70,7 @@ def draft_token(params: SamplingParams, logits: torch.Tensor, prefix: list[int],
         head / vocab_size: the reduced head and the full vocabulary size (q is zero outside the
             head's ids; penalties, grammar masks and the watermark take the full-vocabulary form).
     """
-    warps_only = not params.has_penalties and (chooser is None or chooser.warps_only)
+    warps_only = _warps_only(params, chooser)
     if head is not None and warps_only and not params.sampling:
         token = int(head.to_ids(logits.max(-1).indices))
     elif head is not None and warps_only:
@@ -110,7 +115,7 @@ def accept(params: SamplingParams, verify_logits: torch.Tensor, prefix: list[int
         chooser.grammar.rollback(proposal.grammar_steps)
     tokens: list[int] = []
     logprobs: list[float] = []
-    plain = params.is_plain_greedy and (chooser is None or chooser.is_plain_greedy)
+    plain = not params.sampling and _warps_only(params, chooser)
     if plain:  # no processor: every position's choice from one batched log-softmax (its rows are the
         # per-position ones bit for bit, at a third of their time on a 152k vocabulary)
         values, ids = verify_logits.log_softmax(-1).max(-1)
