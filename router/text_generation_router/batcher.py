@@ -38,6 +38,7 @@ from text_generation_router.metrics import Metrics
 from text_generation_router.queue import Budget, Entry, Queue
 
 T = TypeVar("T")
+BATCH_FAILED = "the model server failed the batch this request was in (its log says why)"
 
 
 class Health:
@@ -240,12 +241,15 @@ class Batcher:
     async def _fail(
         self, method: str, entries: dict[int, Entry], batch_ids: list[int], err: ShardError
     ) -> None:
-        """A shard fault (its RPC failed): drop the batches in the shard and fail their requests."""
+        """A shard fault (its RPC failed): drop the batches in the shard and fail their requests.
+
+        The shard's text is logged, not sent: it may name another request's values or a stack
+        detail, and every request of the batch would read it."""
         logger.error("{} failed: {}", method, err.message)
         self.metrics.batch_inference_failure.labels(method=method).inc()
         self.health.generation_ok = False
         for entry in entries.values():
-            entry.fail("generation", err.message)
+            entry.fail("generation", BATCH_FAILED)
         entries.clear()
         for batch_id in batch_ids:
             try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import PlainValidator, WithJsonSchema
@@ -75,12 +76,14 @@ def _f32(nullable: bool) -> Any:
             return None
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise _type_error(value, "f32")
-        number = float(value)
         # Non-finite numbers are refused when the body is parsed; this bounds the magnitude.
-        if not math.isfinite(number) or abs(number) > F32_MAX:
+        if not math.isfinite(float(value)) or abs(float(value)) > F32_MAX:
             raise PydanticCustomError(
                 "wire_value", "invalid value: {got}, expected a finite f32", {"got": describe(value)},
             )
+        # The value as f32, as serde reads it and the shard receives it: 1e-50 is 0.0, so the
+        # checks that follow (temperature > 0, ...) see what the shard would.
+        number: float = struct.unpack("f", struct.pack("f", float(value)))[0]
         return number
 
     schema: dict[str, Any] = {"type": "number", "format": "float", "minimum": -F32_MAX,

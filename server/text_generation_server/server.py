@@ -113,7 +113,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, str(err))
         except Exception as err:
             logger.exception(f"Error: {err}")
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+            # the client's text stays plain: the traceback and the exception's words are in this log
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__.strip('_')}")
         raise AssertionError("context.abort returns only by raising")
 
     async def Info(self, request: generate_pb2.InfoRequest,

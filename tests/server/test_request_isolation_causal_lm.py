@@ -4,7 +4,10 @@ checks the per-request refusals over gRPC)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+import torch
 
 from text_generation_server.models.batch import CausalLMBatch
 from text_generation_server.models.causal_lm import CausalLM
@@ -12,6 +15,7 @@ from text_generation_server.models.loading import LoadConfig, load_model, load_t
 from text_generation_server.models.runner import build_runner
 from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner
 from text_generation_server.pb import generate_pb2
+from text_generation_server.sampling import NextTokenChooser, SamplingParams
 from text_generation_server.stopping import FinishReason, StoppingCriteria
 
 from factories import decode_in_process, make_batch, make_request
@@ -51,3 +55,68 @@ def test_a_request_failing_mid_decode_ends_alone(model_path: Path) -> None:
     assert errors == {2: "stop sequence check failed"}
     assert len(tokens[2]) == 2  # its tokens before the failure, none after
     assert tokens[1] == solo[1]
+
+
+# Valid values whose arithmetic overflows: temperature > 0 scales the logits past float32's range.
+EXTREME_SAMPLING = [
+    {"temperature": 1e-37, "top_p": 0.9},
+    {"temperature": 1e-38, "top_p": 0.9},  # overflows at prefill already
+    {"temperature": 1e-45, "typical_p": 0.5},
+    {"temperature": 1e-30, "top_k": 5, "repetition_penalty": 3.4e38},
+]
+
+
+class _BrokenChooser(NextTokenChooser):
+    """A chooser with a bug at the request's third token (not a ValueError: an internal failure)."""
+
+    def __init__(self, params: SamplingParams, prompt_length: int) -> None:
+        super().__init__(params)
+        self.start = prompt_length
+
+    def __call__(self, logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[int, float]:
+        if len(token_ids) >= self.start + 2:
+            raise IndexError("index -1 is out of bounds for dimension 0 with size 0")
+        return super().__call__(logits, token_ids)
+
+
+def _lm(model_path: Path) -> CausalLM:
+    tokenizer = load_tokenizer(model_path)
+    hf_model = load_model(model_path, LoadConfig())
+    return CausalLM(build_runner(hf_model, "auto"), tokenizer, frozenset({tokenizer.eos_token_id}),
+                    SkipPlanner(hf_model, LayerSkipConfig()))
+
+
+def test_extreme_sampling_values_are_served_as_their_greedy_limit(model_path: Path) -> None:
+    """temperature -> 0 is greedy decoding: each extreme row gets the greedy tokens of its prompt,
+    beside a neighbour that keeps its solo tokens."""
+    lm = _lm(model_path)
+    solo = decode_in_process(lm, _batch(lm, [make_request(1, PROMPT, 8)])).tokens[1]
+    greedy_hello = decode_in_process(lm, _batch(lm, [make_request(2, "Hello", 8)])).tokens[2]
+    requests = [make_request(1, PROMPT, 8)] + [
+        make_request(2 + i, "Hello", 8, do_sample=True, seed=3, **params)  # type: ignore[arg-type]
+        for i, params in enumerate(EXTREME_SAMPLING)]
+    out = decode_in_process(lm, _batch(lm, requests))
+    assert out.errors == {}
+    assert out.tokens[1] == solo
+    for i, params in enumerate(EXTREME_SAMPLING):
+        if "repetition_penalty" not in params:
+            assert out.tokens[2 + i] == greedy_hello, params
+        assert len(out.tokens[2 + i]) == len(greedy_hello) and all(map(math.isfinite, out.logprobs[2 + i])), params
+
+
+def test_an_internal_failure_in_token_choice_ends_its_request_alone(model_path: Path) -> None:
+    """An exception that is not a request's ValueError: its request gets a plain message (no
+    exception text), the neighbour in the same rows its solo tokens."""
+    lm = _lm(model_path)
+    solo = decode_in_process(lm, _batch(lm, [make_request(1, PROMPT, 8)])).tokens[1]
+    batch = _batch(lm, [make_request(1, PROMPT, 8), make_request(2, "Hello", 8, do_sample=True, seed=1)])
+    broken = batch.requests[1]
+    broken.chooser = _BrokenChooser(broken.chooser.params, broken.input_length)
+    out = decode_in_process(lm, batch)
+    assert out.tokens[1] == solo
+    assert len(out.tokens[2]) == 2
+    assert "internal error" in out.errors[2] and "IndexError" not in out.errors[2], out.errors
+
+
+def _batch(lm: CausalLM, requests: list[generate_pb2.Request]) -> CausalLMBatch:
+    return CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers, lm.eos_token_ids, 1000)

@@ -231,3 +231,16 @@ def test_drafting_that_does_not_pay_stops(fp32: Pair, tmp_path: Path) -> None:
         assert 1 <= stats["cycles"] <= MIN_CYCLES_BEFORE_AUTO_OFF, stats
         assert stats["model_accepted"] / stats["model_drafted"] < 0.9
         assert tokens[i] == fp32.expected[i]
+
+
+def test_extreme_sampling_in_verified_mode_is_served_beside_a_neighbour(fp32: Pair) -> None:
+    """A temperature that overflows float32 (valid: > 0) drafts and verifies as its greedy limit,
+    with off's tokens, while a greedy neighbour in the same cycles keeps its own."""
+    prompt = chat_text(fp32.off.tokenizer, "Tell me a story about a dragon.")
+    extreme = {"do_sample": True, "seed": 3, "temperature": 1e-37, "top_p": 0.9}
+    off, _, _, _ = run(fp32.off, [make_request(1, prompt, 24, **extreme)])  # type: ignore[arg-type]
+    tokens, _, _, reports = run(fp32.verified, [make_request(1, prompt, 24, **extreme),  # type: ignore[arg-type]
+                                                make_request(2, fp32.prompts[8], NEW_TOKENS)])
+    assert tokens[1] == off[1]
+    assert tokens[2] == fp32.expected[8]
+    assert reports[1].stats["drafted"] > 0  # type: ignore[attr-defined]

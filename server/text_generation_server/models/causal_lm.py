@@ -18,6 +18,7 @@ from ..detokenize import decode_token
 from ..grammar import GrammarCompiler
 from ..layerskip import LayerSkipMode, SkipPlan
 from ..sampling import top_n_tokens
+from ..sampling.chooser import failure_message
 from ..stopping import FinishReason
 from .audit_check import add_twins, compare_twins
 from .batch import NO_SKIP, CausalLMBatch, RequestState
@@ -228,17 +229,22 @@ class CausalLM:
         return shown
 
     def generations(self, batch: CausalLMBatch, steps: dict[int, RowStep]) -> list[Generation]:
-        """One Generation per live request. A request whose step cannot be recorded (a ValueError
-        from its detokenization or stop checks) ends alone with its error; the others go on."""
+        """One Generation per live request. A request whose token choice failed, or whose step
+        cannot be recorded (detokenization, stop checks), ends alone with its own message; the
+        others go on."""
         out = []
         for state in batch.requests:
             if state.finished:
                 continue
-            try:
-                out.append(self.request_generation(state, steps[state.id]))
-            except ValueError as err:
-                state.finished = True
-                out.append(Generation(state.id, TokenInfo(), error=str(err)))
+            step, error = steps[state.id], steps[state.id].error
+            if error is None:
+                try:
+                    out.append(self.request_generation(state, step))
+                    continue
+                except Exception as err:  # noqa: BLE001 - one request's failure must not fail the batch
+                    error = failure_message(err)
+            state.finished = True
+            out.append(Generation(state.id, TokenInfo(), error=error))
         return out
 
     def costs(self) -> CostModel:

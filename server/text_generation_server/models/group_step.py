@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from ..sampling import Proposal, accept, choose_tokens, copied_drafts, draft_token
+from ..sampling.chooser import FAILED_CHOICE, failure_message
 from .batch import RequestState
 from .draft_control import CyclePlan
 from .draft_head import DraftHead
@@ -33,6 +34,7 @@ class RowStep:
         prompt_logits: `[prompt, vocab]` at prefill, when prompt logprobs were asked for.
         drafted / accepted: draft tokens proposed and kept (verified mode).
         source: the drafter of this step's drafts ("model" or "ngram").
+        error: the request failed alone in this step (its message); its token is a placeholder.
     """
 
     token_ids: list[int]
@@ -42,6 +44,7 @@ class RowStep:
     drafted: int = 0
     accepted: int = 0
     source: str = "model"
+    error: str | None = None
 
 
 Biases = Mapping[int, torch.Tensor]  # graceful bypass: layer index -> mean residual update [hidden]
@@ -75,11 +78,11 @@ class PlainStep:
         assert logits is not None, "choose runs after forward"
         last = logits[:, -1]  # [rows, vocab]
         states = self.states
-        choices = choose_tokens(last, [s.chooser for s in states], [s.all_ids for s in states])
+        choices, failures = choose_tokens(last, [s.chooser for s in states], [s.all_ids for s in states])
         self.group.advance([token for token, _ in choices])
         return {
             s.id: RowStep([token], [logprob], last[row : row + 1],
-                          logits[row] if self.prefill and s.prefill_logprobs else None)
+                          logits[row] if self.prefill and s.prefill_logprobs else None, error=failures.get(row))
             for row, (s, (token, logprob)) in enumerate(zip(states, choices, strict=True))
         }
 
@@ -95,6 +98,7 @@ class VerifiedStep:
         self.biases, self.head = biases, head
         self.proposals = [copied_drafts(ng) if ng else Proposal()
                           for s, ng in zip(states, cycle.ngram, strict=True)]
+        self.failures: dict[int, str] = {}  # row -> its request's message: it drafts no more, accepts nothing
         self.logits: torch.Tensor | None = None  # [rows, width + 1, vocab] after `forward`
 
     def forward(self, clock: StageClock) -> None:
@@ -110,10 +114,9 @@ class VerifiedStep:
         steps: dict[int, RowStep] = {}
         for row, (s, p) in enumerate(zip(self.states, self.proposals, strict=True)):
             drafted = len(p.token_ids)
-            tokens, logprobs, kept = accept(s.chooser.params, logits[row, : drafted + 1],
-                                            s.all_ids, p, s.chooser)
+            tokens, logprobs, kept = self._accept(row, s, p, logits[row, : drafted + 1])
             steps[s.id] = RowStep(tokens, logprobs, logits[row, : len(tokens)], drafted=drafted, accepted=kept,
-                                  source=p.source)
+                                  source=p.source, error=self.failures.get(row))
         rows = [steps[s.id] for s in self.states]
         self.group.accept_drafts([r.accepted for r in rows], [r.token_ids[-1] for r in rows])
         return steps
@@ -131,10 +134,29 @@ class VerifiedStep:
             with clock.stage(Stage.CHOOSE):
                 fed = []
                 for row, (s, p) in enumerate(zip(self.states, self.proposals, strict=True)):
-                    if cycle.model_rows[row]:
-                        fed.append(draft_token(s.chooser.params, logits[row],
-                                               s.all_ids + p.token_ids, p, head, self.runner.vocab_size, s.chooser))
+                    if cycle.model_rows[row] and row not in self.failures:
+                        fed.append(self._draft(row, s, p, logits[row], head))
                     else:  # a copied or a non-drafting row: keep its tensors in step, its output is unused
                         fed.append(p.token_ids[j] if j < len(p.token_ids) else int(ids[row, -1]))
             ids = torch.tensor(fed, dtype=torch.long)[:, None]
             mask = torch.cat([mask, torch.ones((group.num_rows, 1), dtype=torch.long)], 1)
+
+    def _accept(self, row: int, state: RequestState, proposal: Proposal,
+                logits: torch.Tensor) -> tuple[list[int], list[float], int]:
+        """`accept` of one row; a row that failed (now or drafting) keeps a placeholder and no draft."""
+        if row not in self.failures:
+            try:
+                return accept(state.chooser.params, logits, state.all_ids, proposal, state.chooser)
+            except Exception as err:  # noqa: BLE001 - one request's failure must not fail the batch
+                self.failures[row] = failure_message(err)
+        return [FAILED_CHOICE[0]], [FAILED_CHOICE[1]], 0
+
+    def _draft(self, row: int, state: RequestState, proposal: Proposal, logits: torch.Tensor,
+               head: DraftHead | None) -> int:
+        """One model draft of `row`; a failure is its request's alone (a placeholder is fed)."""
+        try:
+            return draft_token(state.chooser.params, logits, state.all_ids + proposal.token_ids, proposal, head,
+                               self.runner.vocab_size, state.chooser)
+        except Exception as err:  # noqa: BLE001 - one request's failure must not fail the batch
+            self.failures[row] = failure_message(err)
+            return FAILED_CHOICE[0]

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from loguru import logger
 
 from ..grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
 from ..watermark import WatermarkConfig, apply_watermark
@@ -92,7 +93,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, token_ids: tor
 def apply_warpers(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p (nucleus) and typical-p filtering of one row of logits."""
     if params.temperature != 1.0:
-        logits = logits / params.temperature
+        logits = _scaled(logits, params.temperature)
     if params.top_k > 0:
         k = min(params.top_k, logits.shape[-1])
         threshold = torch.topk(logits, k).values[-1]
@@ -102,6 +103,30 @@ def apply_warpers(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.typical_p < 1.0:
         logits = _typical_p(logits, params.typical_p)
     return logits
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`logits / temperature`; where that overflows (a temperature of 1e-37 is valid), the logits are
+    shifted by their best first, which softmax does not see: the best words stay at 0, the others
+    fall to -inf, and the row stays a distribution (the limit of temperature -> 0, greedy)."""
+    scaled = logits / temperature
+    if temperature < 1.0 and float(scaled.max()) == math.inf:
+        scaled = (logits - logits.max()) / temperature
+    return scaled
+
+
+class NoTokenLeft(ValueError):
+    """A request's processors left no token to choose at a position: its own error, a 422."""
+
+
+def failure_message(err: Exception) -> str:
+    """The message of a request that failed alone in a step (choosing, detokenizing, stopping): a
+    ValueError's own words (the request's values left no choice), else a plain sentence; the
+    details of a bug stay in the shard's log and never reach a client, least of all another's."""
+    if isinstance(err, ValueError):
+        return str(err)
+    logger.opt(exception=err).error("a request failed in a step")
+    return "the server failed this request in a generation step (an internal error, logged by the shard)"
 
 
 _MASK64 = (1 << 64) - 1
@@ -242,11 +267,24 @@ class NextTokenChooser:
             (token id, logprob of that token under the warped distribution).
         """
         logprobs = self.process(logits, token_ids).log_softmax(-1)
+        if not float(logprobs.max()) > -math.inf:  # all -inf, or NaN
+            raise NoTokenLeft(f"no token can be chosen at position {len(token_ids)}: {self.describe()} "
+                              "leave none with a finite probability")
         if self.params.sampling:
             token = race(logprobs, position_noise(self.params.seed, len(token_ids), logprobs.shape[-1]))
         else:
             token = int(logprobs.max(-1).indices)
         return token, float(logprobs[token])
+
+    def describe(self) -> str:
+        """The request's processors, for its error message."""
+        p = self.params
+        parts = [f"{name} {value:g}" for name, value, neutral in (
+            ("temperature", p.temperature, 1.0), ("top_k", p.top_k, 0), ("top_p", p.top_p, 1.0),
+            ("typical_p", p.typical_p, 1.0), ("repetition_penalty", p.repetition_penalty, 1.0),
+            ("frequency_penalty", p.frequency_penalty, 0.0)) if value != neutral]
+        parts += ["the grammar"] * (self.grammar is not None) + ["the watermark"] * (self.watermark is not None)
+        return ", ".join(parts) or "the logits"
 
     def accept(self, token_id: int) -> None:
         """The request keeps `token_id`: the grammar advances over it."""
@@ -254,26 +292,34 @@ class NextTokenChooser:
             self.grammar.accept(token_id)
 
 
+FAILED_CHOICE = (0, math.nan)  # a failed row's placeholder: it keeps the batch's tensors in step, nothing reads it
+
+
 def choose_tokens(last: torch.Tensor, choosers: Sequence[NextTokenChooser],
-                  histories: Sequence[list[int]]) -> list[tuple[int, float]]:
-    """(token, logprob) per row of `last` `[rows, vocab]`, each token kept (grammars advance).
+                  histories: Sequence[list[int]]) -> tuple[list[tuple[int, float]], dict[int, str]]:
+    """(token, logprob) per row of `last` `[rows, vocab]`, each token kept (grammars advance), and
+    the rows whose choice failed with their requests' messages (FAILED_CHOICE stands in for them).
 
     One batched argmax serves the plain-greedy rows (identical to their chooser's argmax, far
     cheaper than one call per row); every other row goes through its chooser (watermark,
     penalties, grammar, warpers, sampling) with `histories[row]`, its prompt and generated tokens.
+    A row's failure is its own: the others are chosen as if it were not there.
     """
     plain = [row for row, c in enumerate(choosers) if c.is_plain_greedy]
     choices: dict[int, tuple[int, float]] = {}
-    if plain:
+    failures: dict[int, str] = {}
+    if plain:  # no processor, so no grammar to advance
         values, ids = last[plain].log_softmax(-1).max(-1)  # over [plain rows, vocab]
         choices.update(zip(plain, zip(ids.tolist(), values.tolist(), strict=True), strict=True))
     for row, (chooser, history) in enumerate(zip(choosers, histories, strict=True)):
-        if row not in choices:
+        if row in choices:
+            continue
+        try:
             choices[row] = chooser(last[row], torch.tensor(history))
-    chosen = [choices[row] for row in range(len(choosers))]
-    for chooser, (token, _) in zip(choosers, chosen, strict=True):
-        chooser.accept(token)
-    return chosen
+            chooser.accept(choices[row][0])
+        except Exception as err:  # noqa: BLE001 - one request's failure must not fail the batch
+            failures[row], choices[row] = failure_message(err), FAILED_CHOICE
+    return [choices[row] for row in range(len(choosers))], failures
 
 
 def top_n_tokens(logprobs: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
