@@ -8,6 +8,7 @@ keep upstream's option names so the upstream launcher can drive this shard uncha
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 from enum import Enum
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Optional
 import typer
 from loguru import logger
 
+from .grammar_limits import GrammarLimits
 from .layerskip import LayerSkipMode
 
 if TYPE_CHECKING:
@@ -140,6 +142,8 @@ def serve(
     layer_skip_shadow_window: int = typer.Option(20, help="comparisons in the consistency window"),
     layer_skip_consistency_target: Optional[float] = typer.Option(  # noqa: UP045
         None, help="roll back below this ratio (default: the policy's calibrated consistency)"),
+    grammar_compile_timeout: float = typer.Option(
+        GrammarLimits.compile_timeout_s, help="seconds a grammar may compile before its requests are refused"),
 ) -> None:
     """Serve MODEL_ID over gRPC on the unix socket {uds_path}-{rank}."""
     from .env import ShardEnv
@@ -149,11 +153,13 @@ def serve(
     setup_logging(logger_level, json_output)
     try:
         env = ShardEnv.read()  # before the model loads: a bad value is refused at once
+        grammar_limits = GrammarLimits(compile_timeout_s=grammar_compile_timeout)
         model, config = _build(model_id, revision, sharded, quantize, speculate, dtype, kv_cache_dtype,
                                trust_remote_code, uds_path, max_input_tokens, runner,
                                LayerSkipConfig(layer_skip_mode, layer_skip_policy, layer_skip_on_bad_policy,
                                                AuditConfig(layer_skip_shadow_rate, layer_skip_shadow_window,
                                                             layer_skip_consistency_target)))
+        config = dataclasses.replace(config, grammar_limits=grammar_limits)
     except ValueError as err:
         logger.error(str(err))
         raise typer.Exit(1) from err

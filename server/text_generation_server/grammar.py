@@ -17,12 +17,15 @@ verification; verification masks each position from the state the accepted token
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
 import hashlib
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +33,10 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-COMPILED_CACHE_SIZE = 64  # distinct grammars kept compiled
+from .grammar_limits import GrammarLimits
+
+COMPILED_CACHE_SIZE = 64  # distinct grammars kept compiled (and refusals kept)
+COMPILED_CACHE_BYTES = 256 * 1024 * 1024  # their memory (xgrammar's memory_size_bytes)
 # At most this many allowed tokens: copy them into a fresh -inf row instead of masking every entry.
 SPARSE_ALLOWED = 2048
 
@@ -55,54 +61,152 @@ class GrammarSpec:
 
 
 class GrammarCompiler:
-    """Compiles grammars for one tokenizer and vocabulary size, with an LRU of results."""
+    """Compiles grammars for one tokenizer and vocabulary size, with an LRU of results.
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    A server compiles with `prepare` (awaited), on one worker thread that is not the thread
+    running steps; xgrammar releases the GIL while it compiles, so steps and health checks go on.
+    A grammar past `limits` is refused before it compiles; one that does not compile within the
+    deadline refuses the requests waiting for it and finishes in the background (kept for a
+    retry); one that nobody waits for any more is dropped before it starts. `compile` (in step)
+    serves what `prepare` made, and compiles in place only where nothing prepared (tools, tests).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Sequence[int],
+                 limits: GrammarLimits | None = None) -> None:
         import xgrammar
 
         self._xgr = xgrammar
         self.vocab_size = vocab_size
+        self.limits = limits or GrammarLimits()
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(stop_token_ids))
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._refused: OrderedDict[str, str] = OrderedDict()  # key -> why the grammar does not compile
+        self._pending: dict[str, _Pending] = {}
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self.compilations = 0  # grammars compiled so far (cache misses)
 
     def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar of `spec` (cached). Raises ValueError naming what does not compile."""
+        """The compiled grammar of `spec` (cached). Raises ValueError naming what does not compile
+        or which limit it passes."""
+        found = self._known(spec)
+        if found is not None:
+            return found
+        if spec.key in self._pending:
+            raise ValueError(self._late())
+        return self._settle(spec.key, self._compile_now, spec)
+
+    async def prepare(self, spec: GrammarSpec) -> None:
+        """Compile `spec` off the calling thread, within the deadline; a ValueError refuses it.
+
+        Cancelling the caller (its client went) drops the compile if it has not started and
+        nobody else waits for it."""
+        if self._known(spec) is not None:
+            return
+        pending = self._pending.get(spec.key)
+        if pending is None:
+            if len(self._pending) >= self.limits.max_pending:
+                raise ValueError(f"grammar compiler busy: {len(self._pending)} grammars are compiling or "
+                                 "waiting to compile; retry later")
+            self._check(spec)
+            loop = asyncio.get_running_loop()
+            pending = self._pending[spec.key] = _Pending(self._worker.submit(self._compile_now, spec))
+            pending.job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finish, spec.key))
+        pending.waiters += 1
+        try:  # the shield keeps a waiter's timeout or cancellation from cancelling the job
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending.job)), self.limits.compile_timeout_s)
+        except TimeoutError:
+            raise ValueError(self._late()) from None
+        except ValueError:
+            pass  # the grammar's own refusal, kept by _finish (which ran first) and raised below
+        finally:
+            pending.waiters -= 1
+            if pending.waiters == 0:
+                pending.job.cancel()  # only a job that has not started: a running compile finishes
+        self._known(spec)
+
+    def _late(self) -> str:
+        return (f"grammar is too complex: it did not compile within --grammar-compile-timeout "
+                f"({self.limits.compile_timeout_s:g} s)")
+
+    def _known(self, spec: GrammarSpec) -> Any:
+        """The cached compiled grammar, None when unknown; raises a grammar's known refusal."""
+        if spec.key in self._refused:
+            raise ValueError(self._refused[spec.key])
         cached = self._compiled.get(spec.key)
         if cached is not None:
             self._compiled.move_to_end(spec.key)
-            return cached
-        schema = _schema_text(spec.value) if spec.kind is GrammarKind.JSON else ""
+        return cached
+
+    def _finish(self, key: str) -> None:
+        """A background compile ended (a callback on the event loop): keep its result or refusal."""
+        job = self._pending.pop(key).job
+        if not job.cancelled():
+            with contextlib.suppress(ValueError):  # kept in _refused; its waiters raise it
+                self._settle(key, job.result)
+
+    def _settle(self, key: str, compiled_fn: Callable[..., Any], *args: Any) -> Any:
+        """Call `compiled_fn(*args)` and keep what it gives: a compiled grammar, or the refusal it raises."""
+        try:
+            compiled = compiled_fn(*args)
+        except ValueError as err:
+            self._refused[key] = str(err)
+            if len(self._refused) > COMPILED_CACHE_SIZE:
+                self._refused.popitem(last=False)
+            raise
+        self.compilations += 1
+        self._compiled[key] = compiled
+        while len(self._compiled) > COMPILED_CACHE_SIZE or (
+                len(self._compiled) > 1 and self._cached_bytes() > COMPILED_CACHE_BYTES):
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _cached_bytes(self) -> int:
+        return sum(int(c.memory_size_bytes) for c in self._compiled.values())
+
+    def _check(self, spec: GrammarSpec) -> str:
+        """The text to compile, once the grammar is within the limits (a ValueError names the limit)."""
+        self.limits.check_text(spec.kind.value, spec.value)
+        if spec.kind is GrammarKind.REGEX:
+            return spec.value
+        schema = _parse_schema(spec.value)
+        self.limits.check_schema(schema)
+        return json.dumps(schema)
+
+    def _compile_now(self, spec: GrammarSpec) -> Any:
+        text = self._check(spec)
         try:
             if spec.kind is GrammarKind.JSON:
                 # One-line JSON with single spaces after separators, as upstream's outlines regex
                 # allows: free whitespace would let a model pad forever inside the grammar.
-                compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)
-            else:
-                compiled = self._compiler.compile_regex(spec.value)
+                return self._compiler.compile_json_schema(text, any_whitespace=False)
+            return self._compiler.compile_regex(text)
         except (RuntimeError, ValueError, TypeError) as err:  # xgrammar's errors for an invalid grammar
             reason = re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(err)).strip()  # drop xgrammar's time and source line
             raise ValueError(f"grammar is not valid: {spec.kind.value} grammar does not compile: {reason}") from err
-        self.compilations += 1
-        self._compiled[spec.key] = compiled
-        if len(self._compiled) > COMPILED_CACHE_SIZE:
-            self._compiled.popitem(last=False)
-        return compiled
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """A fresh matcher at the start of `spec`'s grammar."""
         return GrammarMatcher(self._xgr, self.compile(spec), self.vocab_size)
 
 
-def _schema_text(value: str) -> str:
-    """The schema as JSON text; a bad document is the request's error."""
+@dataclass
+class _Pending:
+    """A compile in the worker's queue or running, and how many requests wait for it."""
+
+    job: Future[Any]
+    waiters: int = 0
+
+
+def _parse_schema(value: str) -> Any:
+    """The parsed schema; a bad document is the request's error."""
     try:
-        schema = json.loads(value)
+        return json.loads(value)
     except json.JSONDecodeError as err:
         raise ValueError(f"grammar is not valid: the JSON schema is not JSON: {err}") from err
-    return json.dumps(schema)
+    except RecursionError as err:
+        raise ValueError("grammar is too complex: the JSON schema nests too deep to parse") from err
 
 
 class GrammarMatcher:

@@ -14,11 +14,12 @@ the batch runs; without it (an upstream router) the whole RPC fails as upstream'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -27,7 +28,8 @@ from loguru import logger
 
 from .cache import Cache
 from .env import ShardEnv
-from .models.batch import CausalLMBatch
+from .grammar_limits import GrammarLimits
+from .models.batch import CausalLMBatch, grammar_from_pb
 from .models.causal_lm import CausalLM, Generation, TokenInfo
 from .models.skip_planner import PolicyState
 from .pb import generate_pb2, generate_pb2_grpc
@@ -46,12 +48,14 @@ class ServeConfig:
         max_input_tokens: initial limit on prompt tokens (Warmup may set it).
         dtype: the torch dtype string reported by Info.
         quantize: the loading strategy reported by Info ("" when none).
+        grammar_limits: what a request's grammar may be, and how long it may compile.
     """
 
     uds_path: str = "/tmp/text-generation-server"
     max_input_tokens: int = 4095
     dtype: str = "torch.float32"
     quantize: str = ""
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
         if self.max_input_tokens <= 0:
@@ -98,7 +102,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         self.max_input_tokens = config.max_input_tokens
         self.lock = asyncio.Lock()
         self.shutdown = shutdown
-        self.choice = ChoiceContext(model.grammar_compiler(), env.watermark)
+        self.choice = ChoiceContext(model.grammar_compiler(config.grammar_limits), env.watermark)
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
         try:
@@ -190,9 +194,33 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         return CausalLMBatch.from_pb(pb, self.model.tokenizer, self.model.runner.num_layers,
                                      self.model.eos_token_ids, self.max_input_tokens, self.choice)
 
+    async def PrepareGrammar(self, request: generate_pb2.PrepareGrammarRequest,
+                             context: grpc.aio.ServicerContext) -> generate_pb2.PrepareGrammarResponse:
+        try:
+            spec = grammar_from_pb(request.grammar_type, request.grammar)
+            if spec is not None:
+                await self.choice.prepare(spec)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return generate_pb2.PrepareGrammarResponse()
+
     async def Prefill(self, request: generate_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> generate_pb2.PrefillResponse:
-        return await self._call(context, self._prefill, request, time.perf_counter_ns())
+        start_ns = time.perf_counter_ns()
+        await self._prepare_grammars(request.batch)
+        return await self._call(context, self._prefill, request, start_ns)
+
+    async def _prepare_grammars(self, batch: generate_pb2.Batch) -> None:
+        """Compile the batch's grammars off the step thread before the step takes it (our router
+        prepared them already; an upstream router did not). A refusal is left for the step, which
+        refuses its request alone (or the RPC, for a router that did not ask for isolation)."""
+        async def prepare(r: generate_pb2.Request) -> None:
+            with contextlib.suppress(ValueError):
+                spec = grammar_from_pb(r.parameters.grammar_type, r.parameters.grammar)
+                if spec is not None:
+                    await self.choice.prepare(spec)
+
+        await asyncio.gather(*(prepare(r) for r in batch.requests if r.parameters.grammar))
 
     def _prefill(self, request: generate_pb2.PrefillRequest, start_ns: int) -> generate_pb2.PrefillResponse:
         if not request.per_request_errors:

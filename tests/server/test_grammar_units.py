@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from text_generation_server.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+from text_generation_server.grammar_limits import GrammarLimits
 
 VOCAB = 49152  # the default model's logits width
 
@@ -110,3 +115,111 @@ def test_a_bad_grammar_is_refused_naming_it(compiler: GrammarCompiler, kind: Gra
                                             message: str) -> None:
     with pytest.raises(ValueError, match=message):
         compiler.matcher(GrammarSpec(kind, value))
+
+
+def _object(num_properties: int, required: bool = False) -> str:
+    """An object schema of `num_properties` string properties: optional ones cost the compile
+    far more (one of 500 optional properties took 0.4 s, 1,000 took 2.3 s)."""
+    names = [f"p{i}" for i in range(num_properties)]
+    schema: dict[str, object] = {"type": "object", "properties": {n: {"type": "string"} for n in names}}
+    if required:
+        schema["required"] = names
+    return json.dumps(schema)
+
+
+def _nested(depth: int) -> str:
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return json.dumps(schema)
+
+
+@pytest.mark.parametrize("kind, value, limit", [
+    (GrammarKind.JSON, _object(257), "an object of the JSON schema has 257 properties; this server compiles at most 256"),
+    (GrammarKind.JSON, _nested(40), "nests deeper than 32 levels of JSON objects"),
+    (GrammarKind.JSON, json.dumps({"type": "object", "properties": {
+        f"o{j}": json.loads(_object(200)) for j in range(6)}}), "has more than 1024 JSON objects"),
+    (GrammarKind.JSON, json.dumps({"type": "object", "properties": {"a": {"enum": ["x" * 70000]}}}),
+     "the json grammar has 70055 bytes; this server compiles at most 65536"),
+    (GrammarKind.REGEX, "a" * 70000, "the regex grammar has 70000 bytes; this server compiles at most 65536"),
+    (GrammarKind.JSON, "[" * 100000 + "]" * 100000, "grammar is too"),  # deeper than Python's json parses
+])
+def test_a_grammar_past_a_limit_is_refused_before_it_compiles(tokenizer: PreTrainedTokenizerBase, kind: GrammarKind,
+                                                               value: str, limit: str) -> None:
+    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
+    for refuse in (compiler.compile, lambda spec: asyncio.run(compiler.prepare(spec))):
+        started = time.monotonic()
+        with pytest.raises(ValueError, match=re.escape(limit)):
+            refuse(GrammarSpec(kind, value))
+        assert time.monotonic() - started < 1.0
+    assert compiler.compilations == 0
+
+
+def test_a_grammar_compiles_off_the_event_loop(tokenizer: PreTrainedTokenizerBase) -> None:
+    """While a slow grammar compiles (256 optional properties, within the limits), the loop runs."""
+    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
+    spec = GrammarSpec(GrammarKind.JSON, _object(256))
+
+    async def main() -> tuple[int, float]:
+        ticks = 0
+        task = asyncio.create_task(compiler.prepare(spec))
+        started = time.monotonic()
+        while not task.done():
+            await asyncio.sleep(0.005)
+            ticks += 1
+        await task
+        return ticks, time.monotonic() - started
+
+    ticks, elapsed = asyncio.run(main())
+    print(f"compiled in {elapsed:.2f} s with {ticks} ticks of the loop")
+    assert ticks >= 5 and compiler.compilations == 1
+    assert compiler.matcher(spec) is not None  # the step finds it compiled
+
+
+def test_a_compile_past_its_deadline_refuses_and_is_kept_for_a_retry(tokenizer: PreTrainedTokenizerBase) -> None:
+    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id],
+                               GrammarLimits(compile_timeout_s=0.01))
+    spec = GrammarSpec(GrammarKind.JSON, _object(256))
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match=r"did not compile within --grammar-compile-timeout \(0.01 s\)"):
+            await compiler.prepare(spec)
+        with pytest.raises(ValueError, match="did not compile within"):
+            compiler.matcher(spec)  # the step does not compile it again on its own thread
+        while compiler.compilations == 0:  # it finishes in the background
+            await asyncio.sleep(0.05)
+        await compiler.prepare(spec)  # a retry finds it compiled
+
+    asyncio.run(main())
+    assert compiler.compilations == 1
+
+
+def test_a_compile_nobody_waits_for_is_dropped_and_too_many_are_refused(tokenizer: PreTrainedTokenizerBase) -> None:
+    """The worker compiles one grammar at a time: a queued one whose client left never starts,
+    and more than max_pending distinct grammars at once are refused."""
+    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id], GrammarLimits(max_pending=2))
+    slow, queued, third = (GrammarSpec(GrammarKind.JSON, _object(n)) for n in (256, 255, 254))
+
+    async def main() -> None:
+        first = asyncio.create_task(compiler.prepare(slow))
+        second = asyncio.create_task(compiler.prepare(queued))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ValueError, match="grammar compiler busy: 2 grammars are compiling"):
+            await compiler.prepare(third)
+        second.cancel()  # its client went
+        await first
+        with contextlib.suppress(asyncio.CancelledError):
+            await second
+
+    asyncio.run(main())
+    assert compiler.compilations == 1
+
+
+def test_a_bad_grammar_is_refused_by_prepare_and_the_refusal_is_kept(tokenizer: PreTrainedTokenizerBase) -> None:
+    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
+    spec = GrammarSpec(GrammarKind.REGEX, "(unclosed")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="regex grammar does not compile"):
+            asyncio.run(compiler.prepare(spec))
+    with pytest.raises(ValueError, match="regex grammar does not compile"):
+        compiler.matcher(spec)

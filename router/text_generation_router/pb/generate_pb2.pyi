@@ -25,6 +25,18 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS_TOKEN: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
 
+class PrepareGrammarRequest(_message.Message):
+    __slots__ = ("grammar_type", "grammar")
+    GRAMMAR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    grammar_type: GrammarType
+    grammar: str
+    def __init__(self, grammar_type: _Optional[_Union[GrammarType, str]] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class PrepareGrammarResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -74,6 +74,11 @@ class TextGenerationServiceStub:
                 request_serializer=generate__pb2.HealthRequest.SerializeToString,
                 response_deserializer=generate__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.PrepareGrammar = channel.unary_unary(
+                '/generate.v3.TextGenerationService/PrepareGrammar',
+                request_serializer=generate__pb2.PrepareGrammarRequest.SerializeToString,
+                response_deserializer=generate__pb2.PrepareGrammarResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -135,6 +140,15 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareGrammar(self, request, context):
+        """Extension: compile a request's grammar before the request is queued, off the thread
+        that runs steps, so that a Prefill never waits for a compile. Upstream routers never
+        call it (the shard then compiles at Prefill, still off the step thread).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +191,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=generate__pb2.HealthRequest.FromString,
                     response_serializer=generate__pb2.HealthResponse.SerializeToString,
+            ),
+            'PrepareGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareGrammar,
+                    request_deserializer=generate__pb2.PrepareGrammarRequest.FromString,
+                    response_serializer=generate__pb2.PrepareGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +414,33 @@ class TextGenerationService:
             '/generate.v3.TextGenerationService/Health',
             generate__pb2.HealthRequest.SerializeToString,
             generate__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generate.v3.TextGenerationService/PrepareGrammar',
+            generate__pb2.PrepareGrammarRequest.SerializeToString,
+            generate__pb2.PrepareGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,

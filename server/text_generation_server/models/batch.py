@@ -62,25 +62,26 @@ def _params_from_pb(request: generate_pb2.Request) -> SamplingParams:
     )
 
 
-def _grammar_from_pb(request: generate_pb2.Request) -> GrammarSpec | None:
-    p = request.parameters
-    if p.grammar_type == generate_pb2.GRAMMAR_TYPE_NONE:
-        if p.grammar:
+def grammar_from_pb(grammar_type: int, grammar: str) -> GrammarSpec | None:
+    """The grammar of a request's parameters (or a PrepareGrammarRequest); None without one."""
+    if grammar_type == generate_pb2.GRAMMAR_TYPE_NONE:
+        if grammar:
             raise ValueError("a grammar was sent with GRAMMAR_TYPE_NONE")
         return None
-    if not p.grammar:
-        raise ValueError(f"{generate_pb2.GrammarType.Name(p.grammar_type)} without a grammar")
-    kind = GRAMMAR_KINDS.get(p.grammar_type)
+    kind = GRAMMAR_KINDS.get(grammar_type)  # type: ignore[call-overload]
     if kind is None:
-        raise ValueError(f"grammar_type {p.grammar_type} is not a GrammarType")
-    return GrammarSpec(kind, p.grammar)
+        raise ValueError(f"grammar_type {grammar_type} is not a GrammarType")
+    if not grammar:
+        raise ValueError(f"{generate_pb2.GrammarType.Name(grammar_type)} without a grammar")
+    return GrammarSpec(kind, grammar)
 
 
 def _chooser_from_pb(request: generate_pb2.Request, choice: ChoiceContext) -> NextTokenChooser:
     """The request's token chooser; a grammar that does not compile is this request's ValueError."""
     params = _params_from_pb(request)
     watermark = choice.watermark if request.parameters.watermark else None
-    return NextTokenChooser(params, watermark, choice.matcher(_grammar_from_pb(request)))
+    grammar = grammar_from_pb(request.parameters.grammar_type, request.parameters.grammar)
+    return NextTokenChooser(params, watermark, choice.matcher(grammar))
 
 
 def _prompt_text(request: generate_pb2.Request) -> str:

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..detokenize import decode_token
 from ..grammar import GrammarCompiler
+from ..grammar_limits import GrammarLimits
 from ..layerskip import LayerSkipMode, SkipPlan
 from ..sampling import top_n_tokens
 from ..sampling.chooser import failure_message
@@ -115,10 +116,12 @@ class CausalLM:
             self.heads.reserve(rule.draft.vocab)
         self._grammars: GrammarCompiler | None = None
 
-    def grammar_compiler(self) -> GrammarCompiler:
-        """The model's grammar compiler: its logits width and EOS set (built once, ~0.5 s)."""
+    def grammar_compiler(self, limits: GrammarLimits | None = None) -> GrammarCompiler:
+        """The model's grammar compiler: its logits width and EOS set (built once, ~0.5 s, with
+        the limits of the first call)."""
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids))
+            self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids),
+                                             limits)
         return self._grammars
 
     @property

@@ -217,11 +217,16 @@ class ChoiceContext:
 
     def matcher(self, spec: GrammarSpec | None) -> GrammarMatcher | None:
         """A fresh matcher of `spec`; a ValueError when it does not compile (the request's refusal)."""
-        if spec is None:
-            return None
+        return None if spec is None else self._compiler(spec).matcher(spec)
+
+    async def prepare(self, spec: GrammarSpec) -> None:
+        """Compile `spec` off the step thread (GrammarCompiler.prepare); a ValueError refuses it."""
+        await self._compiler(spec).prepare(spec)
+
+    def _compiler(self, spec: GrammarSpec) -> GrammarCompiler:
         if self.grammars is None:
             raise ValueError(f"grammar ({spec.kind.value}) is not enabled on this shard")
-        return self.grammars.matcher(spec)
+        return self.grammars
 
 
 class NextTokenChooser:
