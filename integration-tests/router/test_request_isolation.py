@@ -60,6 +60,11 @@ def _generate(params: str) -> bytes:
     return b'{"inputs":"Hello","parameters":{"max_new_tokens":2,' + params.encode() + b"}}"
 
 
+def _properties(count: int) -> dict[str, object]:
+    """An object schema of `count` optional string properties (its compile time grows ~cubically)."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(count)}}
+
+
 def _chat(fields: str) -> bytes:
     return b'{"messages":[{"role":"user","content":"Hi"}],"max_tokens":2,' + fields.encode() + b"}"
 
@@ -94,6 +99,21 @@ ISSUE_CASES: list[tuple[str, bytes, int, str]] = [
      "Tool with name g not found"),
     ("/v1/completions", b'{"prompt":"Hi","max_tokens":-1}', 422, "max_tokens"),
     ("/v1/completions", b'{"prompt":"Hi","max_tokens":2,"stop":["a\\u0000b"]}', 200, "text_completion"),
+    # Valid but hostile (the second issue's report): each is served or refused alone, fast.
+    ("/generate_stream", _generate('"temperature":1e-37,"top_p":0.9,"seed":3'), 200, '"generated_text"'),
+    ("/generate", _generate('"temperature":1e-38,"typical_p":0.5,"seed":3'), 200, '"generated_text"'),
+    ("/generate", _generate('"temperature":1e-45,"top_k":3,"do_sample":true'), 200, '"generated_text"'),
+    ("/generate", _generate('"temperature":1e-50'), 422, "`temperature` must be strictly positive"),  # 0 as f32
+    ("/generate", _generate('"top_p":1e-50'), 422, "`top_p` must be > 0.0"),
+    ("/generate", _generate('"temperature":3.4e38'), 200, '"generated_text"'),
+    ("/generate", _generate('"grammar":{"type":"json","value":' + json.dumps(_properties(2000)) + "}"), 422,
+     "an object of the JSON schema has 2000 properties; this server compiles at most 256"),
+    ("/v1/chat/completions", _chat('"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":'
+                                   + json.dumps(_properties(20000)) + "}}"), 422, "bytes; this server compiles at most 65536"),
+    ("/generate", _generate('"truncate":8').replace(b'"Hello"', b'"' + b"word " * 100_000 + b'"'),
+     200, '"generated_text"'),
+    ("/vertex", json.dumps({"instances": [{"inputs": "Hi", "parameters": {"max_new_tokens": 2}}] * 5}).encode(), 422,
+     "5 instances; the maximum allowed batch size (--max-client-batch-size) is 4"),
     *[(route, _inputs_body(route, SURROGATE), 400, "lone surrogate") for route in ALL_BODY_ROUTES],
     *[(route, b"[" * 5000 + b"]" * 5000, 400, "recursion limit") for route in ALL_BODY_ROUTES],
 ]

@@ -92,7 +92,7 @@ async def serve(config: RouterConfig) -> None:
         disable_grammar_support=config.disable_grammar_support,
     )
     infer = Infer(tokenizer, queue, request_limits, metrics, config.max_concurrent_requests,
-                  config.validation_workers)
+                  config.validation_workers, client.prepare_grammar)
     state = AppState(config, limits, shard, client, tokenizer, infer, metrics, health, RouterEnv.read())
     batcher = Batcher(client, queue, shard, limits, metrics, health,
                       (config.waiting_served_ratio, config.max_waiting_tokens, config.max_batch_size))

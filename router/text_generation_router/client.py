@@ -23,11 +23,12 @@ RETRY_DELAY_S = 0.2
 
 
 class ShardError(RuntimeError):
-    """A shard RPC failed; `message` is the gRPC status detail shown to clients."""
+    """A shard RPC failed; `message` is the gRPC status detail, `code` its status."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.code = code
 
 
 def _strip_unix(url: str) -> str:
@@ -42,6 +43,7 @@ class ShardClient:
         self.uds_paths = uds_paths
         self._channels = [grpc.aio.insecure_channel(f"unix://{p}") for p in uds_paths]
         self._stubs = [pb_grpc.TextGenerationServiceStub(c) for c in self._channels]
+        self._prepares_grammars = True  # until a shard answers PrepareGrammar with UNIMPLEMENTED
 
     @classmethod
     async def connect(cls, master_uds_path: str) -> ShardClient:
@@ -73,7 +75,7 @@ class ShardClient:
             except grpc.aio.AioRpcError as err:
                 retry = err.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts
                 if not retry:
-                    raise ShardError(err.details() or str(err.code())) from err
+                    raise ShardError(err.details() or str(err.code()), err.code()) from err
                 await asyncio.sleep(RETRY_DELAY_S * (attempt + 1))
         raise AssertionError("unreachable: the retry loop returns or raises")
 
@@ -105,6 +107,23 @@ class ShardClient:
         request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)
         answers = await self._call_all(lambda s: s.FilterBatch(request), idempotent=False)
         return answers[0].batch
+
+    async def prepare_grammar(self, grammar: str, grammar_type: int) -> str | None:
+        """Have every shard compile a request's grammar (extension); returns the shard's refusal
+        (a grammar that does not compile, is over its limits or its deadline), None once compiled.
+        A shard without the extension (upstream's) compiles at Prefill instead; any other failure
+        is left for the Prefill to meet."""
+        if not self._prepares_grammars:
+            return None
+        request = pb.PrepareGrammarRequest(grammar=grammar, grammar_type=grammar_type)  # type: ignore[arg-type]
+        try:
+            await self._call_all(lambda s: s.PrepareGrammar(request), idempotent=True)
+        except ShardError as err:
+            if err.code == grpc.StatusCode.INVALID_ARGUMENT:
+                return err.message
+            if err.code == grpc.StatusCode.UNIMPLEMENTED:
+                self._prepares_grammars = False
+        return None
 
     async def prefill(self, batch: pb.Batch, per_request_errors: bool = True) -> StepResult:
         """Prefill a batch; by default a request the shard refuses fails alone (extension)."""

@@ -17,7 +17,7 @@ from pydantic import ValidationError as PydanticError
 
 from text_generation_router.chat import chat_completion, plan_chat
 from text_generation_router.completions import completion
-from text_generation_router.errors import InferError
+from text_generation_router.errors import InferError, Overloaded
 from text_generation_router.generate import generate_response, stream_response
 from text_generation_router.http_body import TYPE_PREFIX, BodyError, read_json, read_json_value
 from text_generation_router.infer import Timing, run_together
@@ -66,8 +66,20 @@ class VertexEmpty(InferError):
         super().__init__("Input validation error")
 
 
+class VertexTooLarge(InferError):
+    """More instances than --max-client-batch-size (each is a generation and takes a slot)."""
+
+    status = 422
+    error_type = "validation"
+    metric_label = "validation"
+
+    def __init__(self, count: int, limit: int) -> None:
+        super().__init__(f"Input validation error: {count} instances; the maximum allowed batch size "
+                         f"(--max-client-batch-size) is {limit}")
+
+
 class VertexFailed(InferError):
-    """Any failure of a /vertex instance, as upstream answers it (whatever the cause)."""
+    """Any failure of a /vertex instance but overload (429), as upstream answers it."""
 
     status = 500
     error_type = "Incomplete generation"
@@ -87,11 +99,13 @@ async def sagemaker(state: AppState, http: Request, body: BaseModel) -> Response
     return await completion(state, http, body)
 
 
-def vertex_prompts(state: AppState, req: VertexRequest) -> list[tuple[str, GenerateParameters, bool]]:
+async def vertex_prompts(state: AppState, req: VertexRequest) -> list[tuple[str, GenerateParameters, bool]]:
     """(prompt, parameters, add_special_tokens) of each instance; template and tool errors
     answer as themselves."""
     if not req.instances:
         raise VertexEmpty()
+    if len(req.instances) > state.config.max_client_batch_size:
+        raise VertexTooLarge(len(req.instances), state.config.max_client_batch_size)
     prompts: list[tuple[str, GenerateParameters, bool]] = []
     for instance in req.instances:
         if isinstance(instance, GenerateVertexInstance):
@@ -100,18 +114,18 @@ def vertex_prompts(state: AppState, req: VertexRequest) -> list[tuple[str, Gener
                                         decoder_input_details=True)
             prompts.append((instance.inputs, params, True))
         else:
-            plan = plan_chat(instance, state)
+            plan = await plan_chat(instance, state)
             prompts.append((plan.prompt, plan.params, False))
     return prompts
 
 
 async def vertex(state: AppState, http: Request, req: VertexRequest) -> JSONResponse:
     call = Lifecycle.start(state, http)
-    prompts = call.prepare(lambda: vertex_prompts(state, req))
+    prompts = await call.prepare_async(lambda: vertex_prompts(state, req))
     generations = await call.answer(
         lambda: run_together([state.infer.complete(prompt, params, Timing(), special)
                               for prompt, params, special in prompts]),
-        fail=lambda _: VertexFailed(),
+        fail=lambda err: err if isinstance(err, Overloaded) else VertexFailed(), slots=len(prompts),
     )
     return JSONResponse({"predictions": [g.generated.text for g in generations]})
 

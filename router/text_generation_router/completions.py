@@ -59,8 +59,9 @@ async def completion(state: AppState, http: Request, req: CompletionRequest) -> 
     prompts, p = call.prepare(lambda: completion_parameters(req, state))
     if req.stream:
         return call.stream(lambda: _completion_events(state, prompts, p), error_event,
-                           sum(len(x) for x in prompts), sse.DONE)
-    gens = await call.answer(lambda: run_together([state.infer.complete(x, p, Timing(), True) for x in prompts]))
+                           sum(len(x) for x in prompts), sse.DONE, slots=len(prompts))
+    gens = await call.answer(lambda: run_together([state.infer.complete(x, p, Timing(), True) for x in prompts]),
+                             slots=len(prompts))
     choices = [{"index": i, "text": g.generated.text, "logprobs": None,
                 "finish_reason": OPENAI_FINISH[g.generated.finish_reason]} for i, g in enumerate(gens)]
     body = _envelope(state, choices)

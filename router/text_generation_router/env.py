@@ -52,8 +52,8 @@ class LauncherEnv:
     def integer(self, name: str, default: int | None) -> int | None:
         return self._parsed(name, int, "an integer", default)
 
-    def number(self, name: str) -> float | None:
-        return self._parsed(name, float, "a number", None)
+    def number(self, name: str, default: float | None = None) -> float | None:
+        return self._parsed(name, float, "a number", default)
 
     def _parsed(self, name: str, parse: Callable[[str], T], kind: str, default: T | None) -> T | None:
         value = self.environ.get(name)

@@ -56,8 +56,9 @@ async def generate_response(
 ) -> sse.NanSafeJSONResponse:
     """Non-streaming answer of /generate (object) or / (one-item list)."""
     call = Lifecycle.start(state, http)
-    best, others = await call.answer(lambda: run_generate(state, req, call.timing))
     p = req.effective_parameters()
+    copies = p.best_of if p.best_of is not None and 1 <= p.best_of <= state.config.max_best_of else 1
+    best, others = await call.answer(lambda: run_generate(state, req, call.timing), slots=copies)
     full = p.return_full_text if p.return_full_text is not None else default_full_text
     details = p.details or p.decoder_input_details
     body = generate_json(best, details, full, others)

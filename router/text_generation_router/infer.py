@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -42,11 +42,14 @@ from text_generation_router.schemas import GenerateParameters
 from text_generation_router.tokenizer import Tokenizer, TokenSpan
 from text_generation_router.validation import (
     DEFAULT_GENERATION_LENGTH,
+    GRAMMAR_INVALID,
+    GrammarCheck,
     Limits,
     ValidationError,
     ValidRequest,
     build_valid_request,
     check_grammar,
+    check_json_schema,
     check_layer_skip,
     check_lengths,
     check_sampling_parameters,
@@ -97,6 +100,7 @@ class Infer:
     def __init__(
         self, tokenizer: Tokenizer, queue: Queue, limits: Limits, metrics: Metrics,
         max_concurrent_requests: int, validation_workers: int,
+        prepare_grammar: Callable[[str, int], Awaitable[str | None]] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.queue = queue
@@ -105,21 +109,23 @@ class Infer:
         self.max_concurrent_requests = max_concurrent_requests
         self.in_flight = 0
         self.draining = False  # set on SIGTERM (shutdown.py): new requests are refused
+        self.prepare_grammar = prepare_grammar  # the shard's grammar compile: its refusal, or None
         self._pool = ThreadPoolExecutor(validation_workers, thread_name_prefix="validation")
 
     @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """One of max_concurrent_requests; refused at once (429) when none is free, and with
-        503 once the router is shutting down."""
+    async def slot(self, count: int = 1) -> AsyncIterator[None]:
+        """`count` of max_concurrent_requests (one per generation an HTTP call fans out to, as
+        upstream takes a permit per request); refused at once (429) when they are not all free,
+        and with 503 once the router is shutting down."""
         if self.draining:
             raise ShuttingDown("new requests are refused")
-        if self.in_flight >= self.max_concurrent_requests:
+        if self.in_flight + count > self.max_concurrent_requests:
             raise Overloaded()
-        self.in_flight += 1
+        self.in_flight += count
         try:
             yield
         finally:
-            self.in_flight -= 1
+            self.in_flight -= count
 
     async def validate(
         self, inputs: str, p: GenerateParameters, add_special_tokens: bool = True
@@ -128,23 +134,43 @@ class Infer:
         started = time.monotonic()
         try:
             check_sampling_parameters(p, self.limits)
-            num_tokens = 0
-            if inputs:
-                ids = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, self.tokenizer.encode, inputs, add_special_tokens
-                )
-                num_tokens = len(ids)
-            lengths = check_lengths(inputs, p, num_tokens, self.limits.serving)
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self._pool, self.tokenizer.encode, inputs, add_special_tokens) \
+                if inputs else []
+            lengths = check_lengths(inputs, p, len(ids), self.limits.serving)
+            if len(ids) > lengths[1]:  # truncated, as upstream: the shard gets only the text it will use
+                inputs = await loop.run_in_executor(self._pool, self.tokenizer.decode, ids[-lengths[1]:])
             check_layer_skip(p.layer_skip)
             grammar = check_grammar(p, self.limits)
+            await self._prepare_grammar(grammar)
         except ValidationError as err:
             raise ValidationFailed(str(err)) from err
         total_new = requested_new_tokens(p, lengths[1], self.limits.serving)
-        request = build_valid_request(inputs, p, lengths, grammar, add_special_tokens, total_new)
+        request = build_valid_request(inputs, p, lengths, grammar[:2], add_special_tokens, total_new)
         self.metrics.request_validation_duration.observe(time.monotonic() - started)
         self.metrics.request_input_length.observe(request.input_length)
         self.metrics.request_max_new_tokens.observe(request.max_new_tokens)
         return request
+
+    async def _prepare_grammar(self, grammar: GrammarCheck) -> None:
+        """The shard compiles the grammar now (its limits first), off its step thread, so that the
+        request's Prefill never waits for a compile; then the schema's meta-check, on a validation
+        worker, unless the shard refused the grammar's size (the check took 4.6 s on 600 KB). The
+        meta-check's message wins over the shard's "does not compile", as upstream checks first."""
+        if not grammar.grammar_type:
+            return
+        refusal = None
+        if self.prepare_grammar is not None:
+            refusal = await self.prepare_grammar(grammar.text, grammar.grammar_type)
+        if grammar.schema is not None and (refusal is None or refusal.startswith(GRAMMAR_INVALID)):
+            await asyncio.get_running_loop().run_in_executor(self._pool, check_json_schema, grammar.schema)
+        if refusal is not None:
+            raise ValidationError(refusal)
+
+    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        """The chat template's prompt, rendered on a validation worker (a TemplateError refuses it)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self.tokenizer.apply_chat_template, messages, tools)
 
     async def tokenize(self, inputs: str, add_special_tokens: bool = True) -> list[TokenSpan]:
         """/tokenize: on a validation worker, refused past max_input_tokens (upstream's message)."""

@@ -196,6 +196,7 @@ def shard_argv(args: LauncherArgs) -> list[str]:
         argv += ["--layer-skip-policy", a.layer_skip_policy]
     if a.layer_skip_on_bad_policy != "exit":
         argv += ["--layer-skip-on-bad-policy", a.layer_skip_on_bad_policy]
+    argv += ["--grammar-compile-timeout", str(a.grammar_compile_timeout)]
     return argv
 
 

@@ -63,6 +63,8 @@ def build_parser(env: LauncherEnv) -> argparse.ArgumentParser:
     p.add_argument("--cors-allow-origin", action="append",
                    default=[o for o in (env.text("CORS_ALLOW_ORIGIN", "") or "").split(",") if o])
     p.add_argument("--json-output", action="store_true", default=env.flag("JSON_OUTPUT"))
+    p.add_argument("--grammar-compile-timeout", type=float, default=env.number("GRAMMAR_COMPILE_TIMEOUT", 5.0),
+                   help="seconds a request's grammar may compile before it is refused (422)")
     p.add_argument("--disable-grammar-support", action="store_true",
                    default=env.flag("DISABLE_GRAMMAR_SUPPORT"))
     p.add_argument("--enable-prefill-logprobs", action="store_true",

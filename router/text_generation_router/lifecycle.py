@@ -63,15 +63,25 @@ class Lifecycle:
             self._failed(err)
             raise
 
+    async def prepare_async(self, translate: Callable[[], Awaitable[T]]) -> T:
+        """`prepare` of a translation that awaits (a chat template rendered on a worker)."""
+        try:
+            return await translate()
+        except InferError as err:
+            self._failed(err)
+            raise
+
     async def answer(
-        self, work: Callable[[], Awaitable[T]], fail: Callable[[InferError], InferError] | None = None
+        self, work: Callable[[], Awaitable[T]], fail: Callable[[InferError], InferError] | None = None,
+        slots: int = 1,
     ) -> T:
-        """The result of `work`, run in a slot until it is done or the client left.
+        """The result of `work`, run in `slots` slots (one per generation) until it is done or
+        the client left.
 
         An InferError is counted under its own label and raised, as `fail(err)` when given.
         """
         try:
-            result = await unless_disconnected(self.http, self._in_slot(work))
+            result = await unless_disconnected(self.http, self._in_slots(work, slots))
         except InferError as err:
             self._failed(err)
             if fail is not None:
@@ -82,26 +92,27 @@ class Lifecycle:
 
     def stream(
         self, events: Callable[[], AsyncGenerator[bytes, None]], error_event: ErrorChunk,
-        num_characters: int, done: bytes | None = None,
+        num_characters: int, done: bytes | None = None, slots: int = 1,
     ) -> StreamingResponse:
-        """An SSE answer of `events`, run in a slot; always 200, a failure is its last event.
+        """An SSE answer of `events`, run in `slots` slots; always 200, a failure is its last event.
 
         `done` ends the stream either way (the OpenAI routes' `data:[DONE]`).
         """
         return StreamingResponse(
-            sse.with_keep_alive(self._stream(events, error_event, done)),
+            sse.with_keep_alive(self._stream(events, error_event, done, slots)),
             media_type="text/event-stream", headers=stream_headers(num_characters, self.compute_type),
         )
 
-    async def _in_slot(self, work: Callable[[], Awaitable[T]]) -> T:
-        async with self.infer.slot():
+    async def _in_slots(self, work: Callable[[], Awaitable[T]], slots: int) -> T:
+        async with self.infer.slot(slots):
             return await work()
 
     async def _stream(
-        self, events: Callable[[], AsyncGenerator[bytes, None]], error_event: ErrorChunk, done: bytes | None
+        self, events: Callable[[], AsyncGenerator[bytes, None]], error_event: ErrorChunk, done: bytes | None,
+        slots: int,
     ) -> AsyncGenerator[bytes, None]:
         try:
-            async with self.infer.slot(), contextlib.aclosing(events()) as chunks:
+            async with self.infer.slot(slots), contextlib.aclosing(events()) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except InferError as err:

@@ -45,6 +45,10 @@ class Tokenizer:
         ids: list[int] = self._tok(text, add_special_tokens=add_special_tokens)["input_ids"]
         return ids
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens included."""
+        return str(self._tok.decode(ids, skip_special_tokens=False))
+
     def spans(self, text: str, add_special_tokens: bool = True) -> list[TokenSpan]:
         """Tokens with offsets; slow tokenizers have none and report empty text at 0/0."""
         if not getattr(self._tok, "is_fast", False):

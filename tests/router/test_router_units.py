@@ -86,7 +86,7 @@ def test_launcher_argv_follow_upstream_order() -> None:
                         "--json-output", "--dtype", "bfloat16", "--otlp-service-name",
                         "text-generation-inference.server", "--max-input-tokens", "8",
                         "--runner", "auto", "--layer-skip-mode", "shadow", "--layer-skip-policy", "p.json",
-                        "--layer-skip-on-bad-policy", "off"]
+                        "--layer-skip-on-bad-policy", "off", "--grammar-compile-timeout", "5.0"]
     r = router_argv(args, "/local/folder")
     assert r[r.index("--master-shard-uds-path") + 1] == "/tmp/s-0"
     assert r[r.index("--tokenizer-name") + 1] == "/local/folder"

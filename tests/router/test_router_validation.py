@@ -10,6 +10,7 @@ from text_generation_router.validation import (
     Limits,
     ValidationError,
     check_grammar,
+    check_json_schema,
     check_layer_skip,
     check_lengths,
     check_sampling_parameters,
@@ -92,15 +93,17 @@ def test_best_of_range_and_layer_skip() -> None:
 
 def test_grammar_checks() -> None:
     regex = GenerateParameters(grammar=Grammar(type="regex", value="[0-9]+"))
-    assert check_grammar(regex, LIMITS) == ("[0-9]+", 2)
+    assert check_grammar(regex, LIMITS) == ("[0-9]+", 2, None)
     schema = GenerateParameters(grammar=Grammar(type="json", value={"properties": {"a": {}}}))
-    assert check_grammar(schema, LIMITS)[1] == 1
+    assert check_grammar(schema, LIMITS) == ('{"properties":{"a":{}}}', 1, {"properties": {"a": {}}})
+    json_object = GenerateParameters(grammar=Grammar(type="json_object"))
+    assert check_grammar(json_object, LIMITS) == ('{"type":"object"}', 1, None)  # nothing left to check
     off = Limits(2, 4, 5, SERVING, disable_grammar_support=True)
     with pytest.raises(ValidationError, match="^grammar is not supported$"):
         check_grammar(regex, off)
-    no_props = GenerateParameters(grammar=Grammar(type="json", value={"type": "object"}))
+    no_props = check_grammar(GenerateParameters(grammar=Grammar(type="json", value={"type": "object"})), LIMITS)
     with pytest.raises(ValidationError, match="^grammar is not valid: "):
-        check_grammar(no_props, LIMITS)
+        check_json_schema(no_props.schema)
 
 
 def test_max_new_tokens_over_1024_is_admitted_in_chunks() -> None:
