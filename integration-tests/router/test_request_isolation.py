@@ -109,7 +109,8 @@ ISSUE_CASES: list[tuple[str, bytes, int, str]] = [
     ("/generate", _generate('"grammar":{"type":"json","value":' + json.dumps(_properties(2000)) + "}"), 422,
      "an object of the JSON schema has 2000 properties; this server compiles at most 256"),
     ("/v1/chat/completions", _chat('"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":'
-                                   + json.dumps(_properties(20000)) + "}}"), 422, "bytes; this server compiles at most 65536"),
+                                   + json.dumps(_properties(20000)) + "}}"), 422,
+     "bytes; this server compiles at most 65536"),
     ("/generate", _generate('"truncate":8').replace(b'"Hello"', b'"' + b"word " * 100_000 + b'"'),
      200, '"generated_text"'),
     ("/vertex", json.dumps({"instances": [{"inputs": "Hi", "parameters": {"max_new_tokens": 2}}] * 5}).encode(), 422,

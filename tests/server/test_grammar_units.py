@@ -135,7 +135,8 @@ def _nested(depth: int) -> str:
 
 
 @pytest.mark.parametrize("kind, value, limit", [
-    (GrammarKind.JSON, _object(257), "an object of the JSON schema has 257 properties; this server compiles at most 256"),
+    (GrammarKind.JSON, _object(257),
+     "an object of the JSON schema has 257 properties; this server compiles at most 256"),
     (GrammarKind.JSON, _nested(40), "nests deeper than 32 levels of JSON objects"),
     (GrammarKind.JSON, json.dumps({"type": "object", "properties": {
         f"o{j}": json.loads(_object(200)) for j in range(6)}}), "has more than 1024 JSON objects"),
