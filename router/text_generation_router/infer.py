@@ -108,6 +108,7 @@ class Infer:
         self.metrics = metrics
         self.max_concurrent_requests = max_concurrent_requests
         self.in_flight = 0
+        self.admitted = 0  # requests ever let in: slots taken and tokenizations (memory.py trims after bursts)
         self.draining = False  # set on SIGTERM (shutdown.py): new requests are refused
         self.prepare_grammar = prepare_grammar  # the shard's grammar compile: its refusal, or None
         self._pool = ThreadPoolExecutor(validation_workers, thread_name_prefix="validation")
@@ -122,6 +123,7 @@ class Infer:
         if self.in_flight + count > self.max_concurrent_requests:
             raise Overloaded()
         self.in_flight += count
+        self.admitted += count
         try:
             yield
         finally:
@@ -174,6 +176,7 @@ class Infer:
 
     async def tokenize(self, inputs: str, add_special_tokens: bool = True) -> list[TokenSpan]:
         """/tokenize: on a validation worker, refused past max_input_tokens (upstream's message)."""
+        self.admitted += 1
         spans = await asyncio.get_running_loop().run_in_executor(
             self._pool, self.tokenizer.spans, inputs, add_special_tokens)
         max_input = self.limits.serving.max_input_tokens

@@ -20,6 +20,7 @@ from text_generation_router.dispatch import health_batch
 from text_generation_router.errors import InferError
 from text_generation_router.generate import generate_response, stream_response
 from text_generation_router.http_body import BodyError, read_json
+from text_generation_router.memory import trim_after_bursts
 from text_generation_router.metrics import render
 from text_generation_router.openapi import body_route, json_ok, json_or_sse_ok, sse_ok
 from text_generation_router.schemas import (
@@ -39,9 +40,10 @@ def build_app(state: AppState, batcher: Batcher) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(batcher.run())
+        tasks = [asyncio.create_task(batcher.run()), asyncio.create_task(trim_after_bursts(state.infer))]
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
 
     app = FastAPI(
         title="Text Generation Inference", version=__version__, lifespan=lifespan,
