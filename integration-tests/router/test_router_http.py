@@ -26,11 +26,11 @@ MAX_NEW = 8
 
 
 def sse_events(response: httpx.Response) -> Iterator[str]:
-    """Payloads of `data:` lines, checking upstream's framing (no space after the colon)."""
+    """Payloads of `data: ` lines, checking the framing byte for byte (one space after the colon)."""
     for line in response.iter_lines():
         if line:
-            assert line.startswith("data:") and not line.startswith("data: "), line
-            yield line[len("data:"):]
+            assert line.startswith("data: ") and not line.startswith("data:  "), line
+            yield line[len("data: "):]
 
 
 def stream_text(url: str, prompt: str, max_new: int = MAX_NEW) -> str:

@@ -4,7 +4,7 @@ A chat request becomes one generate request: the chat template renders the messa
 trailing assistant message is continued), `response_format` or the tools become its grammar
 (tools.py), and the answer is text, or `tool_calls` parsed from the tool grammar's JSON. When
 the model picks upstream's `no_tool`, the request is answered again without tools. Streams end
-with `data:[DONE]`.
+with `data: [DONE]`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """POST /v1/completions (docs/tgi-interface.md §2.6): each prompt is a generate request (special tokens added,
-as upstream); streams interleave the prompts' chunks and end with `data:[DONE]`."""
+as upstream); streams interleave the prompts' chunks and end with `data: [DONE]`."""
 
 from __future__ import annotations
 

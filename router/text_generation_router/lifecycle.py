@@ -96,7 +96,7 @@ class Lifecycle:
     ) -> StreamingResponse:
         """An SSE answer of `events`, run in `slots` slots; always 200, a failure is its last event.
 
-        `done` ends the stream either way (the OpenAI routes' `data:[DONE]`).
+        `done` ends the stream either way (the OpenAI routes' `data: [DONE]`).
         """
         return StreamingResponse(
             sse.with_keep_alive(self._stream(events, error_event, done, slots)),

@@ -1,4 +1,5 @@
-"""Server-sent events framing of docs/tgi-interface.md §2.4: `data:<compact json>\\n\\n`, no space."""
+"""Server-sent events framing as upstream's writer (axum) frames it: `data: <compact json>\\n\\n`,
+one space after the colon. huggingface_hub's chat stream recognises only `data: [DONE]`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 KEEP_ALIVE = b":\n\n"
 KEEP_ALIVE_S = 15.0
-DONE = b"data:[DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 
 
 def _clean(value: Any) -> Any:
@@ -34,7 +35,7 @@ def dumps(payload: Any) -> str:
 
 def event(payload: Any) -> bytes:
     """One SSE event."""
-    return f"data:{dumps(payload)}\n\n".encode()
+    return f"data: {dumps(payload)}\n\n".encode()
 
 
 class NanSafeJSONResponse(JSONResponse):

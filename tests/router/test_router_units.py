@@ -11,7 +11,7 @@ from typing import cast
 import pytest
 from fastapi import Request
 
-from text_generation_router import sse
+from text_generation_router import memory, sse
 from text_generation_router.config import RouterConfig, ServingLimits
 from text_generation_router.dispatch import build_warmup_batch
 from text_generation_router.env import LauncherEnv, RouterEnv
@@ -31,10 +31,12 @@ from text_generation_router.tokenizer import Tokenizer
 from text_generation_router.validation import Limits, build_valid_request
 
 
-def test_sse_framing_is_compact_without_space() -> None:
-    assert sse.event({"a": 1, "b": [None, "é"]}) == 'data:{"a":1,"b":[null,"é"]}\n\n'.encode()
-    assert sse.event({"logprob": math.nan}) == b'data:{"logprob":null}\n\n'
-    assert sse.DONE == b"data:[DONE]\n\n"
+def test_sse_framing_is_compact_after_one_space() -> None:
+    """As axum's writer: `data: ` then compact JSON; huggingface_hub ends a chat stream only at the
+    exact line `data: [DONE]`."""
+    assert sse.event({"a": 1, "b": [None, "é"]}) == 'data: {"a":1,"b":[null,"é"]}\n\n'.encode()
+    assert sse.event({"logprob": math.nan}) == b'data: {"logprob":null}\n\n'
+    assert sse.DONE == b"data: [DONE]\n\n"
 
 
 def test_padded_budget_counts_longest_prompt_times_batch() -> None:
@@ -210,3 +212,26 @@ def test_lifecycle_counts_a_stream_once_whatever_its_end() -> None:
     assert _series(text, 'tgi_request_failure{err="validation"}') == 1
     assert _series(text, 'tgi_request_failure{err="overloaded"}') == 1
     assert _series(text, "tgi_request_duration_count") == 1
+
+
+def test_memory_is_trimmed_once_after_each_burst(monkeypatch: pytest.MonkeyPatch) -> None:
+    """malloc_trim runs when no request is in flight and some were admitted since the last trim:
+    not during a request, once after it, not again while idle."""
+    trims: list[int] = []
+    infer = Infer(cast(Tokenizer, None), Queue(), cast(Limits, None), build_metrics(8, 16), 4, 1)
+    monkeypatch.setattr(memory, "_malloc_trim", lambda: lambda: trims.append(infer.admitted))
+
+    async def run() -> None:
+        task = asyncio.create_task(memory.trim_after_bursts(infer, interval_s=0.01))
+        async with infer.slot(2):
+            await asyncio.sleep(0.05)
+            assert trims == []  # in flight
+        await asyncio.sleep(0.05)
+        assert trims == [2]  # once, then idle
+        async with infer.slot():
+            pass
+        await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(run())
+    assert trims == [2, 3]
