@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -29,10 +29,14 @@ from text_generation_router.lifecycle import Lifecycle
 from text_generation_router.openai_shapes import (
     FINGERPRINT,
     OPENAI_FINISH,
+    TOOL_CALLS,
     adapter,
     error_event,
     logprobs_json,
+    new_id,
     now,
+    presence_as_repetition,
+    refuse_unserved,
     sampling,
     stops,
     usage,
@@ -46,7 +50,6 @@ from text_generation_router.tools import (
     ToolChoice,
     ToolFailed,
     add_tools_to_prompt,
-    next_tool_call_id,
     parse_tool_output,
     template_tools,
     tool_call_json,
@@ -67,6 +70,7 @@ class ChatPlan:
 async def plan_chat(req: ChatRequest, state: AppState, with_tools: bool = True) -> ChatPlan:
     """Template, grammar and parameters of a chat request (`with_tools=False`: the no_tool rerun);
     the template renders on a validation worker, not on the event loop (40k messages took 2.3 s)."""
+    refuse_unserved(n=req.n, logit_bias=req.logit_bias, functions=req.functions, function_call=req.function_call)
     if req.response_format is not None and req.tools is not None:
         raise ToolFailed("Grammar and tools are mutually exclusive")
     messages = [m.template_dict() for m in req.messages]
@@ -86,7 +90,7 @@ async def plan_chat(req: ChatRequest, state: AppState, with_tools: bool = True) 
         do_sample=do_sample, temperature=temperature, top_p=req.top_p, seed=req.seed,
         max_new_tokens=req.max_tokens if req.max_tokens is not None else req.max_completion_tokens,
         stop=stops(req.stop), frequency_penalty=req.frequency_penalty,
-        repetition_penalty=None if req.presence_penalty is None else req.presence_penalty + 2.0,
+        repetition_penalty=presence_as_repetition(req.presence_penalty),
         top_n_tokens=req.top_logprobs if req.logprobs else None, details=True,
         grammar=grammar, adapter_id=adapter(req.model, state),
     )
@@ -104,11 +108,12 @@ async def chat_completion(state: AppState, http: Request, req: ChatRequest) -> R
     if req.stream:
         return call.stream(lambda: _chat_events(state, req, plan), error_event, len(plan.prompt), sse.DONE)
     g, message, plan = await call.answer(lambda: _chat_answer(state, req, plan, call.timing))
+    finish = TOOL_CALLS if "tool_calls" in message else OPENAI_FINISH[g.generated.finish_reason]
     body = {
-        "object": "chat.completion", "id": "", "created": now(), "model": response_model(req, state),
-        "system_fingerprint": FINGERPRINT,
+        "object": "chat.completion", "id": new_id("chatcmpl-"), "created": now(),
+        "model": response_model(req, state), "system_fingerprint": FINGERPRINT,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs_json(g) if req.logprobs else None,
-                     "finish_reason": OPENAI_FINISH[g.generated.finish_reason]}],
+                     "finish_reason": finish}],
         "usage": usage(g.request.input_length, g.generated.generated_tokens),
     }
     return sse.NanSafeJSONResponse(body, headers=call.headers(g, len(plan.prompt)))
@@ -123,15 +128,26 @@ async def _chat_answer(
     if plan.using_tools:
         call = parse_tool_output(g.generated.text)
         if call is not None:
-            return g, {"role": "assistant", "tool_calls": [tool_call_json(*call)]}, plan
+            return g, {"role": "assistant", "tool_calls": [tool_call_json(*call, new_id("call_"))]}, plan
         plan = await plan_chat(req, state, with_tools=False)
         g = await state.infer.complete(plan.prompt, plan.params, timing, False)
     return g, {"role": "assistant", "content": g.generated.text}, plan
 
 
-def _chunk(model: str, choices: list[dict[str, Any]], usage_json: Any = None) -> bytes:
-    return sse.event({"object": "chat.completion.chunk", "id": "", "created": now(), "model": model,
-                      "system_fingerprint": FINGERPRINT, "choices": choices, "usage": usage_json})
+@dataclass(frozen=True)
+class StreamIds:
+    """What every chunk of one streamed answer repeats: its id, creation time and model, and the
+    id of its tool call (if it makes one)."""
+
+    model: str
+    completion_id: str = field(default_factory=lambda: new_id("chatcmpl-"))
+    created: int = field(default_factory=now)
+    call_id: str = field(default_factory=lambda: new_id("call_"))
+
+    def chunk(self, choices: list[dict[str, Any]], usage_json: Any = None) -> bytes:
+        return sse.event({"object": "chat.completion.chunk", "id": self.completion_id, "created": self.created,
+                          "model": self.model, "system_fingerprint": FINGERPRINT, "choices": choices,
+                          "usage": usage_json})
 
 
 def _token_logprobs(event: TokenEvent) -> dict[str, Any]:
@@ -146,20 +162,19 @@ def _tool_delta(call_id: str, name: str | None, arguments: str) -> dict[str, Any
 
 
 async def _chat_events(state: AppState, req: ChatRequest, plan: ChatPlan) -> AsyncGenerator[bytes, None]:
-    model, call_id = response_model(req, state), next_tool_call_id([m.template_dict() for m in req.messages])
+    ids = StreamIds(response_model(req, state))
     declined = [False]  # set when the model chose no_tool: the request is answered again without tools
-    async for chunk in _plan_chunks(state, req, plan, (model, call_id), declined):
+    async for chunk in _plan_chunks(state, req, plan, ids, declined):
         yield chunk
     if declined[0]:
         plain = await plan_chat(req, state, with_tools=False)
-        async for chunk in _plan_chunks(state, req, plain, (model, call_id), declined):
+        async for chunk in _plan_chunks(state, req, plain, ids, declined):
             yield chunk
 
 
-async def _plan_chunks(state: AppState, req: ChatRequest, plan: ChatPlan, ids: tuple[str, str],
+async def _plan_chunks(state: AppState, req: ChatRequest, plan: ChatPlan, ids: StreamIds,
                        declined: list[bool]) -> AsyncIterator[bytes]:
     """The chunks of one generate request: content deltas, or tool-call argument deltas."""
-    model, call_id = ids
     tools = ToolCallStream() if plan.using_tools else None
     request = await state.infer.validate(plan.prompt, plan.params, add_special_tokens=False)
     async with contextlib.aclosing(state.infer.stream(request, Timing(validated=time.monotonic()))) as events:
@@ -178,14 +193,16 @@ async def _plan_chunks(state: AppState, req: ChatRequest, plan: ChatPlan, ids: t
                     return
                 if end is not None and not fragments:
                     fragments = [(None, "")]  # the finish_reason needs a chunk
-                deltas = [_tool_delta(call_id, name, arguments) for name, arguments in fragments]
+                if finish == OPENAI_FINISH["eos_token"]:  # the tool call is complete
+                    finish = TOOL_CALLS
+                deltas = [_tool_delta(ids.call_id, name, arguments) for name, arguments in fragments]
             for n, delta in enumerate(deltas):
                 last = n == len(deltas) - 1
-                yield _chunk(model, [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                      "finish_reason": finish if last else None}])
+                yield ids.chunk([{"index": 0, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": finish if last else None}])
             if end is not None:
                 if req.stream_options is not None and req.stream_options.include_usage:
-                    yield _chunk(model, [], usage(request.input_length, end.generated_tokens))
+                    yield ids.chunk([], usage(request.input_length, end.generated_tokens))
                 return
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import secrets
 import time
 from typing import Any
 
@@ -12,7 +14,10 @@ from text_generation_router.infer import FinishedGeneration
 from text_generation_router.state import AppState
 
 FINGERPRINT = f"{__version__}-native"
-OPENAI_FINISH = {"eos_token": "stop", "length": "length", "stop_sequence": "stop_sequence"}
+# OpenAI's finish reasons (stop, length, tool_calls, content_filter): a stop sequence is `stop`
+# there, where TGI's own routes say `stop_sequence`; a tool answer ends with `tool_calls`.
+OPENAI_FINISH = {"eos_token": "stop", "length": "length", "stop_sequence": "stop"}
+TOOL_CALLS = "tool_calls"
 
 
 class OpenAIError(InferError):
@@ -29,6 +34,22 @@ def sampling(temperature: float | None) -> tuple[bool, float | None]:
     if temperature == 0:
         return False, None
     return True, temperature
+
+
+def presence_as_repetition(presence_penalty: float | None, repetition_penalty: float | None = None) -> float | None:
+    """Upstream serves OpenAI's presence_penalty as its repetition_penalty, shifted by 2."""
+    return repetition_penalty if presence_penalty is None else presence_penalty + 2.0
+
+
+def refuse_unserved(**values: Any) -> None:
+    """A 422 naming the first OpenAI parameter given a value this server does not serve (`n` or
+    `best_of` above 1, `echo`, a non-empty `logit_bias`, the deprecated `functions`): a
+    parameter is served or refused, never dropped."""
+    for name, value in values.items():
+        if value in (None, False, {}, []) or (name in ("n", "best_of") and value == 1):
+            continue
+        raise OpenAIError("validation", f"`{name}` is not supported by this server (given: "
+                                        f"{json.dumps(value)[:80]}); see the README's OpenAI section")
 
 
 def stops(stop: list[str] | str | None) -> list[str]:
@@ -49,6 +70,12 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
 
 def now() -> int:
     return int(time.time())
+
+
+def new_id(prefix: str) -> str:
+    """A unique id in OpenAI's shape: `chatcmpl-...`, `cmpl-...`, `call_...` (upstream sends "" and
+    "0", so a conversation with two tool calls cannot tell which result answers which)."""
+    return prefix + secrets.token_hex(12)
 
 
 def error_event(err: InferError) -> bytes:

@@ -116,6 +116,7 @@ class Message(BaseModel):
     content: Str | list[ContentPart] | None = None
     name: OptStr = None
     tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: OptStr = None  # a tool message: the call it answers
 
     @model_validator(mode="after")
     def _has_body(self) -> Message:
@@ -135,6 +136,8 @@ class Message(BaseModel):
             out["name"] = self.name
         if self.tool_calls is not None:
             out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -172,6 +175,10 @@ class ChatRequest(BaseModel):
     tools: list[Tool] | None = None
     tool_choice: Str | dict[str, Any] | None = None
     tool_prompt: OptStr = None
+    parallel_tool_calls: OptBool = None
+    user: OptStr = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Str | dict[str, Any] | None = None
 
 
 class CompletionRequest(BaseModel):
@@ -185,4 +192,11 @@ class CompletionRequest(BaseModel):
     stream: Bool = False
     repetition_penalty: OptF32 = None
     frequency_penalty: OptF32 = None
+    presence_penalty: OptF32 = None
     suffix: OptStr = None
+    logprobs: OptU32 = None
+    n: OptU32 = None
+    best_of: OptU32 = None
+    echo: OptBool = None
+    logit_bias: dict[Str, OptF32] | None = None
+    user: OptStr = None

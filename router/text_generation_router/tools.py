@@ -137,16 +137,9 @@ def parse_tool_output(text: str) -> tuple[str, dict[str, Any]] | None:
     return None if name == NO_TOOL else (str(name), function)
 
 
-def tool_call_json(name: str, arguments: dict[str, Any], call_id: str = "0") -> dict[str, Any]:
+def tool_call_json(name: str, arguments: dict[str, Any], call_id: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {
         "description": None, "name": name, "arguments": json.dumps(arguments, separators=(",", ":"))}}
-
-
-def next_tool_call_id(messages: list[dict[str, Any]]) -> str:
-    """One more than the largest integer tool-call id of the conversation ("0" for none)."""
-    ids = [call.get("id") for m in messages for call in (m.get("tool_calls") or []) if isinstance(call, dict)]
-    numbers = [int(i) for i in ids if isinstance(i, str) and i.isdigit()]
-    return str(max(numbers) + 1) if numbers else "0"
 
 
 class ToolCallStream:

@@ -13,7 +13,6 @@ from text_generation_router.tools import (
     ToolCallStream,
     ToolChoice,
     ToolFailed,
-    next_tool_call_id,
     parse_tool_output,
     tool_schema,
     tools_to_use,
@@ -58,8 +57,6 @@ def test_parse_tool_output() -> None:
     assert parse_tool_output('{"function": {"_name": "no_tool"}}') is None
     with pytest.raises(ToolFailed, match="^Tool error: Failed to parse generated text"):
         parse_tool_output('{"function": ')
-    assert next_tool_call_id([{"tool_calls": [{"id": "3"}, {"id": "x"}]}, {"content": "hi"}]) == "4"
-    assert next_tool_call_id([]) == "0"
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7])
