@@ -178,22 +178,14 @@ def check_grammar(p: GenerateParameters, limits: Limits) -> GrammarCheck:
         if not isinstance(p.grammar.value, str):
             raise ValidationError("grammar is not valid: a regex grammar needs a string value")
         return GrammarCheck(p.grammar.value, GRAMMAR_TYPE_REGEX)
-    schema = _schema_value(p.grammar)
+    schema = schema_of(p.grammar)
     text = json.dumps(schema if schema is not None else ANY_JSON_OBJECT, separators=(",", ":"))
     return GrammarCheck(text, GRAMMAR_TYPE_JSON, schema)
 
 
-def json_schema_of(grammar: Grammar) -> dict[str, Any]:
-    """The schema of a json / json_object / json_schema grammar, checked as upstream checks it."""
-    schema = _schema_value(grammar)
-    if schema is None:
-        return dict(ANY_JSON_OBJECT)
-    check_json_schema(schema)
-    return schema
-
-
-def _schema_value(grammar: Grammar) -> dict[str, Any] | None:
-    """The schema a json / json_schema grammar carries (None: json_object without one)."""
+def schema_of(grammar: Grammar) -> dict[str, Any] | None:
+    """The schema a json / json_schema grammar carries (None: json_object without one); a JSON
+    text that does not parse, or a value that is no object, is refused."""
     if grammar.type == "json_schema":
         config = grammar.value if grammar.value is not None else grammar.json_schema
         assert isinstance(config, dict), "the Grammar model checks json_schema's shape"

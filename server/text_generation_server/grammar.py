@@ -95,7 +95,7 @@ class GrammarCompiler:
             return found
         if spec.key in self._pending:
             raise ValueError(self._late())
-        return self._settle(spec.key, self._compile_now, spec)
+        return self._settle(spec.key, lambda: self._compile_text(spec.kind, self._check(spec)))
 
     async def prepare(self, spec: GrammarSpec) -> None:
         """Compile `spec` off the calling thread, within the deadline; a ValueError refuses it.
@@ -109,9 +109,9 @@ class GrammarCompiler:
             if len(self._pending) >= self.limits.max_pending:
                 raise ValueError(f"grammar compiler busy: {len(self._pending)} grammars are compiling or "
                                  "waiting to compile; retry later")
-            self._check(spec)
+            text = self._check(spec)
             loop = asyncio.get_running_loop()
-            pending = self._pending[spec.key] = _Pending(self._worker.submit(self._compile_now, spec))
+            pending = self._pending[spec.key] = _Pending(self._worker.submit(self._compile_text, spec.kind, text))
             pending.job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finish, spec.key))
         pending.waiters += 1
         try:  # the shield keeps a waiter's timeout or cancellation from cancelling the job
@@ -146,21 +146,21 @@ class GrammarCompiler:
             with contextlib.suppress(ValueError):  # kept in _refused; its waiters raise it
                 self._settle(key, job.result)
 
-    def _settle(self, key: str, compiled_fn: Callable[..., Any], *args: Any) -> Any:
-        """Call `compiled_fn(*args)` and keep what it gives: a compiled grammar, or the refusal it raises."""
+    def _settle(self, key: str, compiled: Callable[[], Any]) -> Any:
+        """Keep what `compiled()` gives: a compiled grammar, or the refusal it raises."""
         try:
-            compiled = compiled_fn(*args)
+            grammar = compiled()
         except ValueError as err:
             self._refused[key] = str(err)
             if len(self._refused) > COMPILED_CACHE_SIZE:
                 self._refused.popitem(last=False)
             raise
         self.compilations += 1
-        self._compiled[key] = compiled
+        self._compiled[key] = grammar
         while len(self._compiled) > COMPILED_CACHE_SIZE or (
                 len(self._compiled) > 1 and self._cached_bytes() > COMPILED_CACHE_BYTES):
             self._compiled.popitem(last=False)
-        return compiled
+        return grammar
 
     def _cached_bytes(self) -> int:
         return sum(int(c.memory_size_bytes) for c in self._compiled.values())
@@ -174,17 +174,17 @@ class GrammarCompiler:
         self.limits.check_schema(schema)
         return json.dumps(schema)
 
-    def _compile_now(self, spec: GrammarSpec) -> Any:
-        text = self._check(spec)
+    def _compile_text(self, kind: GrammarKind, text: str) -> Any:
+        """Compile a checked grammar text; a ValueError when xgrammar refuses it."""
         try:
-            if spec.kind is GrammarKind.JSON:
+            if kind is GrammarKind.JSON:
                 # One-line JSON with single spaces after separators, as upstream's outlines regex
                 # allows: free whitespace would let a model pad forever inside the grammar.
                 return self._compiler.compile_json_schema(text, any_whitespace=False)
             return self._compiler.compile_regex(text)
         except (RuntimeError, ValueError, TypeError) as err:  # xgrammar's errors for an invalid grammar
             reason = re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(err)).strip()  # drop xgrammar's time and source line
-            raise ValueError(f"grammar is not valid: {spec.kind.value} grammar does not compile: {reason}") from err
+            raise ValueError(f"grammar is not valid: {kind.value} grammar does not compile: {reason}") from err
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """A fresh matcher at the start of `spec`'s grammar."""

@@ -14,7 +14,7 @@ from text_generation_router.validation import (
     check_layer_skip,
     check_lengths,
     check_sampling_parameters,
-    json_schema_of,
+    schema_of,
     validate_best_of,
 )
 
@@ -126,13 +126,14 @@ def test_best_of_disabled_message() -> None:
 
 def test_json_schemas_are_checked_against_the_meta_schema() -> None:
     with pytest.raises(ValidationError, match=r"^grammar is not valid: 'nonsense' is not valid under any"):
-        json_schema_of(Grammar(type="json", value={"properties": {"a": {"type": "nonsense"}}}))
+        check_json_schema(schema_of(Grammar(type="json", value={"properties": {"a": {"type": "nonsense"}}})))
     with pytest.raises(ValidationError, match=r"^grammar is not valid: Expecting property name"):
-        json_schema_of(Grammar(type="json", value="{not json"))
-    assert json_schema_of(Grammar(type="json", value='{"properties": {"a": {}}}')) == {"properties": {"a": {}}}
-    assert json_schema_of(Grammar(type="json_object")) == {"type": "object"}
+        schema_of(Grammar(type="json", value="{not json"))
+    assert schema_of(Grammar(type="json", value='{"properties": {"a": {}}}')) == {"properties": {"a": {}}}
+    assert schema_of(Grammar(type="json_object")) is None  # any object: nothing to check
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
-    assert json_schema_of(Grammar(type="json_schema", json_schema={"name": "x", "schema": schema})) == schema
-    assert json_schema_of(Grammar(type="json_schema", value={"schema": schema})) == schema
+    assert schema_of(Grammar(type="json_schema", json_schema={"name": "x", "schema": schema})) == schema
+    assert schema_of(Grammar(type="json_schema", value={"schema": schema})) == schema
+    check_json_schema(schema)
     with pytest.raises(ValueError, match="missing field `schema`"):
         Grammar(type="json_schema", json_schema={"name": "x"})
