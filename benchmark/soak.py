@@ -25,7 +25,7 @@ by us, and lost (no status, or a stream that ended without its final event). Aft
 router must become idle (tgi_queue_size and tgi_batch_current_size 0), no concurrency slot may
 leak (as many one-token requests as slots, no 429), and the router's own counters must balance
 (tgi_request_count = tgi_request_success + tgi_request_failure over labels, as deltas over the
-run); router and shard VmRSS at the start, after the warm-up and at the end; answers per window
+run); router and shard VmRSS at the start, after the warm-up, at the end and 12 s later (idle); answers per window
 of time (10 s, or 60 s for runs of 5 minutes and more) and each kind's latency.
 
 Writes benchmark/results/soak.json (`--out` to change); exits 1 when a request was lost, a 5xx or
@@ -70,6 +70,7 @@ HEALTH_TIMEOUT_S = 10.0
 CANCEL_AFTER_S = 0.2
 SAMPLES_KEPT = 3
 OVERLOAD_BACKOFF_S = (0.1, 0.5)
+IDLE_SETTLE_S = 12.0  # more than two of the router's trim intervals
 DRAIN_S = 120.0  # after the duration, the in-flight requests' bound
 NAME_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 COUNTED_SERIES = ("tgi_request_count", "tgi_request_success", "tgi_request_failure")
@@ -521,7 +522,7 @@ def print_summary(result: dict[str, Any]) -> None:
           f"max {h['max_ms']} ms")
     for name in rss["before"]:
         print(f"RSS {name}: {rss['before'][name]} (start) -> {rss['after_warmup'][name]} (warm) "
-              f"-> {rss['after'][name]} MiB (end)")
+              f"-> {rss['after'][name]} (end) -> {rss['after_idle'][name]} MiB ({IDLE_SETTLE_S:g} s idle)")
     print(f"gauges after: {result['gauges_after']}; leaked slots: {result['leaked_slots']}; "
           f"router counters unaccounted: {result['router_counters']['unaccounted']}")
     print(f"[client, router] counts: {result['client_vs_router']}")
@@ -604,6 +605,8 @@ def main() -> int:
         counters_after = request_counters(launcher.url)  # before the slot probe adds its own requests
         leaked = asyncio.run(probe_slots(launcher.url, a.max_concurrent_requests))
         rss["after"] = {name: round(rss_mib(pid), 1) for name, pid in pids.items()}
+        time.sleep(IDLE_SETTLE_S)  # the router gives freed memory back once idle (memory.py)
+        rss["after_idle"] = {name: round(rss_mib(pid), 1) for name, pid in pids.items()}
         gauges = {"tgi_queue_size": queue, "tgi_batch_current_size": batch,
                   "tgi_batch_current_max_tokens": metric(launcher.url, "tgi_batch_current_max_tokens")}
     finally:
