@@ -25,8 +25,8 @@ by us, and lost (no status, or a stream that ended without its final event). Aft
 router must become idle (tgi_queue_size and tgi_batch_current_size 0), no concurrency slot may
 leak (as many one-token requests as slots, no 429), and the router's own counters must balance
 (tgi_request_count = tgi_request_success + tgi_request_failure over labels, as deltas over the
-run); router and shard VmRSS at the start, after the warm-up, at the end and 12 s later (idle); answers per window
-of time (10 s, or 60 s for runs of 5 minutes and more) and each kind's latency.
+run); router and shard VmRSS at the start, after the warm-up, at the end and 12 s later (idle);
+answers per window of time (10 s, or 60 s for runs of 5 minutes and more) and each kind's latency.
 
 Writes benchmark/results/soak.json (`--out` to change); exits 1 when a request was lost, a 5xx or
 an unexpected answer came, /health failed, the router did not become idle (within 300 s), a slot
