@@ -112,10 +112,11 @@ async def _completion_events(
             if not isinstance(event, TokenEvent):
                 continue
             end = event.end
-            logprobs = _logprobs([event.token], [event.top_tokens] if event.top_tokens else [], offset)
+            logprobs = _logprobs([event.token], [event.top_tokens] if event.top_tokens else [], offset) \
+                if with_logprobs else None
             offset += len(event.token.text)
             body = envelope.body([{
-                "index": index, "text": event.token.text, "logprobs": logprobs if with_logprobs else None,
+                "index": index, "text": event.token.text, "logprobs": logprobs,
                 "finish_reason": None if end is None else OPENAI_FINISH[end.finish_reason]}])
             if end is not None:
                 body["usage"] = usage(request.input_length, end.generated_tokens)

@@ -46,7 +46,7 @@ def refuse_unserved(**values: Any) -> None:
     `best_of` above 1, `echo`, a non-empty `logit_bias`, the deprecated `functions`): a
     parameter is served or refused, never dropped."""
     for name, value in values.items():
-        if value in (None, False, {}, []) or (name in ("n", "best_of") and value == 1):
+        if value is None or value is False or value in ({}, []) or (name in ("n", "best_of") and value == 1):
             continue
         raise OpenAIError("validation", f"`{name}` is not supported by this server (given: "
                                         f"{json.dumps(value)[:80]}); see the README's OpenAI section")

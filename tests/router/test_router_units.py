@@ -23,6 +23,7 @@ from text_generation_router.launcher import child_env, router_argv, shard_argv
 from text_generation_router.launcher_args import parse_args
 from text_generation_router.lifecycle import Lifecycle
 from text_generation_router.metrics import build_metrics, render
+from text_generation_router.openai_shapes import OpenAIError, refuse_unserved
 from text_generation_router.queue import Budget, Queue, count_admissible
 from text_generation_router.responses import generate_headers, generate_json
 from text_generation_router.schemas import GenerateParameters
@@ -235,3 +236,12 @@ def test_memory_is_trimmed_once_after_each_burst(monkeypatch: pytest.MonkeyPatch
 
     asyncio.run(run())
     assert trims == [2, 3]
+
+
+def test_openai_parameters_are_served_or_refused() -> None:
+    """Neutral values pass; any other value of an unserved parameter is refused by name (0 too,
+    which compares equal to False)."""
+    refuse_unserved(n=1, best_of=None, echo=False, logit_bias={}, functions=[])
+    for given in ({"n": 0}, {"n": 2}, {"best_of": 0}, {"echo": True}, {"logit_bias": {"42": 5.0}}):
+        with pytest.raises(OpenAIError, match=f"^`{next(iter(given))}` is not supported by this server"):
+            refuse_unserved(**given)
