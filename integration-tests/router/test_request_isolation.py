@@ -32,15 +32,15 @@ from isolation_harness import (
 )
 from router_launcher import Launcher, start_launcher
 
-from text_generation_router.batcher import Batcher, Health
-from text_generation_router.client import ShardClient
 from text_generation_router.config import ServingLimits
-from text_generation_router.events import ErrorEvent, InferEvent, TokenEvent
-from text_generation_router.handshake import ShardInfo
-from text_generation_router.metrics import build_metrics
-from text_generation_router.queue import Queue
-from text_generation_router.schemas import GenerateParameters
-from text_generation_router.validation import ValidRequest, build_valid_request
+from text_generation_router.engine.batcher import Batcher, Health
+from text_generation_router.engine.client import ShardClient
+from text_generation_router.engine.events import ErrorEvent, InferEvent, TokenEvent
+from text_generation_router.engine.handshake import ShardInfo
+from text_generation_router.engine.metrics import build_metrics
+from text_generation_router.engine.queue import Queue
+from text_generation_router.engine.schemas import GenerateParameters
+from text_generation_router.engine.validation import ValidRequest, build_valid_request
 
 GENERATE_ROUTES = ["/generate", "/generate_stream", "/"]
 ALL_BODY_ROUTES = [*GENERATE_ROUTES, "/v1/chat/completions", "/v1/completions", "/tokenize"]

@@ -8,19 +8,19 @@ import sys
 
 from loguru import logger
 
-from text_generation_router.batcher import Batcher, Health
 from text_generation_router.config import RouterConfig
+from text_generation_router.engine.batcher import Batcher, Health
+from text_generation_router.engine.handshake import handshake
+from text_generation_router.engine.infer import Infer
+from text_generation_router.engine.metrics import build_metrics
+from text_generation_router.engine.queue import Queue
+from text_generation_router.engine.tokenizer import Tokenizer
+from text_generation_router.engine.validation import Limits
 from text_generation_router.env import RouterEnv
-from text_generation_router.handshake import handshake
-from text_generation_router.infer import Infer
-from text_generation_router.metrics import build_metrics
-from text_generation_router.metrics_port import serve_metrics
-from text_generation_router.queue import Queue
-from text_generation_router.server import build_app
-from text_generation_router.shutdown import Drain, GracefulServer, server_config
-from text_generation_router.state import AppState
-from text_generation_router.tokenizer import Tokenizer
-from text_generation_router.validation import Limits
+from text_generation_router.http.metrics_port import serve_metrics
+from text_generation_router.http.server import build_app
+from text_generation_router.http.shutdown import Drain, GracefulServer, server_config
+from text_generation_router.http.state import AppState
 
 
 def build_parser() -> argparse.ArgumentParser:

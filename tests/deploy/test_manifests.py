@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from text_generation_router.metrics import build_metrics
+from text_generation_router.engine.metrics import build_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"

@@ -11,25 +11,26 @@ from typing import cast
 import pytest
 from fastapi import Request
 
-from text_generation_router import memory, sse
 from text_generation_router.config import RouterConfig, ServingLimits
-from text_generation_router.dispatch import build_warmup_batch
+from text_generation_router.engine import memory
+from text_generation_router.engine.dispatch import build_warmup_batch
+from text_generation_router.engine.errors import Overloaded, ValidationFailed
+from text_generation_router.engine.events import GeneratedText, LayerSkipReport, Token
+from text_generation_router.engine.infer import FinishedGeneration, Infer, Timing
+from text_generation_router.engine.metrics import build_metrics, render
+from text_generation_router.engine.queue import Budget, Queue, count_admissible
+from text_generation_router.engine.schemas import GenerateParameters
+from text_generation_router.engine.tokenizer import Tokenizer
+from text_generation_router.engine.validation import Limits, build_valid_request
 from text_generation_router.env import LauncherEnv, RouterEnv
-from text_generation_router.errors import Overloaded, ValidationFailed
-from text_generation_router.events import GeneratedText, LayerSkipReport, Token
-from text_generation_router.generate import error_event
-from text_generation_router.infer import FinishedGeneration, Infer, Timing
-from text_generation_router.launcher import child_env, router_argv, shard_argv
-from text_generation_router.launcher_args import parse_args
-from text_generation_router.lifecycle import Lifecycle
-from text_generation_router.metrics import build_metrics, render
-from text_generation_router.openai_shapes import OpenAIError, refuse_unserved
-from text_generation_router.queue import Budget, Queue, count_admissible
-from text_generation_router.responses import generate_headers, generate_json
-from text_generation_router.schemas import GenerateParameters
-from text_generation_router.state import AppState
-from text_generation_router.tokenizer import Tokenizer
-from text_generation_router.validation import Limits, build_valid_request
+from text_generation_router.http import sse
+from text_generation_router.http.generate import error_event
+from text_generation_router.http.lifecycle import Lifecycle
+from text_generation_router.http.openai_shapes import OpenAIError, refuse_unserved
+from text_generation_router.http.responses import generate_headers, generate_json
+from text_generation_router.http.state import AppState
+from text_generation_router.launcher.launcher import child_env, router_argv, shard_argv
+from text_generation_router.launcher.launcher_args import parse_args
 
 
 def test_sse_framing_is_compact_after_one_space() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from text_generation_router.config import ServingLimits
-from text_generation_router.schemas import GenerateParameters, Grammar
-from text_generation_router.validation import (
+from text_generation_router.engine.schemas import GenerateParameters, Grammar
+from text_generation_router.engine.validation import (
     Limits,
     ValidationError,
     check_grammar,

@@ -7,8 +7,8 @@ import json
 import jsonschema
 import pytest
 
-from text_generation_router.schemas import Tool
-from text_generation_router.tools import (
+from text_generation_router.engine.schemas import Tool
+from text_generation_router.http.tools import (
     NO_TOOL,
     ToolCallStream,
     ToolChoice,

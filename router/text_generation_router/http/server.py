@@ -10,26 +10,27 @@ from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
-from text_generation_router import __version__, openapi
-from text_generation_router.batcher import Batcher
-from text_generation_router.chat import register_openai_routes
-from text_generation_router.client import ShardError
-from text_generation_router.cloud_routes import VertexRequest, register_cloud_routes
-from text_generation_router.connection import ClientGone, unless_disconnected
-from text_generation_router.dispatch import health_batch
-from text_generation_router.errors import InferError
-from text_generation_router.generate import generate_response, stream_response
-from text_generation_router.http_body import BodyError, read_json
-from text_generation_router.memory import trim_after_bursts
-from text_generation_router.metrics import render
-from text_generation_router.openapi import body_route, json_ok, json_or_sse_ok, sse_ok
-from text_generation_router.schemas import (
+from text_generation_router import __version__
+from text_generation_router.engine.batcher import Batcher
+from text_generation_router.engine.client import ShardError
+from text_generation_router.engine.dispatch import health_batch
+from text_generation_router.engine.errors import InferError
+from text_generation_router.engine.memory import trim_after_bursts
+from text_generation_router.engine.metrics import render
+from text_generation_router.engine.schemas import (
     ChatRequest,
     CompatGenerateRequest,
     CompletionRequest,
     GenerateRequest,
 )
-from text_generation_router.state import AppState
+from text_generation_router.http import openapi
+from text_generation_router.http.chat import register_openai_routes
+from text_generation_router.http.cloud_routes import VertexRequest, register_cloud_routes
+from text_generation_router.http.connection import ClientGone, unless_disconnected
+from text_generation_router.http.generate import generate_response, stream_response
+from text_generation_router.http.http_body import BodyError, read_json
+from text_generation_router.http.openapi import body_route, json_ok, json_or_sse_ok, sse_ok
+from text_generation_router.http.state import AppState
 
 PROTECTED = {"/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions",
              "/tokenize", "/invocations", "/vertex"}

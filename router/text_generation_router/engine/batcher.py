@@ -24,18 +24,18 @@ from typing import Any, TypeVar
 
 from loguru import logger
 
-from text_generation_router.client import ShardClient, ShardError, StepResult
 from text_generation_router.config import ServingLimits
-from text_generation_router.dispatch import (
+from text_generation_router.engine.client import ShardClient, ShardError, StepResult
+from text_generation_router.engine.dispatch import (
     CachedBatch,
     dispatch_generations,
     dispatch_request_errors,
     encode_requests,
     to_pb_batch,
 )
-from text_generation_router.handshake import ShardInfo
-from text_generation_router.metrics import Metrics
-from text_generation_router.queue import Budget, Entry, Queue
+from text_generation_router.engine.handshake import ShardInfo
+from text_generation_router.engine.metrics import Metrics
+from text_generation_router.engine.queue import Budget, Entry, Queue
 
 T = TypeVar("T")
 BATCH_FAILED = "the model server failed the batch this request was in (its log says why)"

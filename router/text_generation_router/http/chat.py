@@ -18,15 +18,17 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from text_generation_router import sse
-from text_generation_router.completions import completion
-from text_generation_router.connection import unless_disconnected
-from text_generation_router.errors import TemplateFailed
-from text_generation_router.events import TokenEvent
-from text_generation_router.http_body import read_json
-from text_generation_router.infer import FinishedGeneration, Timing
-from text_generation_router.lifecycle import Lifecycle
-from text_generation_router.openai_shapes import (
+from text_generation_router.engine.errors import TemplateFailed
+from text_generation_router.engine.events import TokenEvent
+from text_generation_router.engine.infer import FinishedGeneration, Timing
+from text_generation_router.engine.schemas import ChatRequest, CompletionRequest, GenerateParameters, Grammar
+from text_generation_router.engine.tokenizer import TemplateError
+from text_generation_router.http import sse
+from text_generation_router.http.completions import completion
+from text_generation_router.http.connection import unless_disconnected
+from text_generation_router.http.http_body import read_json
+from text_generation_router.http.lifecycle import Lifecycle
+from text_generation_router.http.openai_shapes import (
     FINGERPRINT,
     OPENAI_FINISH,
     TOOL_CALLS,
@@ -41,11 +43,9 @@ from text_generation_router.openai_shapes import (
     stops,
     usage,
 )
-from text_generation_router.openapi import body_route, json_ok, json_or_sse_ok
-from text_generation_router.schemas import ChatRequest, CompletionRequest, GenerateParameters, Grammar
-from text_generation_router.state import AppState
-from text_generation_router.tokenizer import TemplateError
-from text_generation_router.tools import (
+from text_generation_router.http.openapi import body_route, json_ok, json_or_sse_ok
+from text_generation_router.http.state import AppState
+from text_generation_router.http.tools import (
     ToolCallStream,
     ToolChoice,
     ToolFailed,

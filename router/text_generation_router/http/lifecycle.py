@@ -23,12 +23,12 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from text_generation_router import sse
-from text_generation_router.connection import unless_disconnected
-from text_generation_router.errors import InferError
-from text_generation_router.infer import FinishedGeneration, Timing
-from text_generation_router.responses import generate_headers, stream_headers
-from text_generation_router.state import AppState
+from text_generation_router.engine.errors import InferError
+from text_generation_router.engine.infer import FinishedGeneration, Timing
+from text_generation_router.http import sse
+from text_generation_router.http.connection import unless_disconnected
+from text_generation_router.http.responses import generate_headers, stream_headers
+from text_generation_router.http.state import AppState
 
 T = TypeVar("T")
 

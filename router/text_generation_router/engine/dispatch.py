@@ -13,16 +13,16 @@ import time
 
 from loguru import logger
 
-from text_generation_router.events import (
+from text_generation_router.engine.events import (
     GeneratedText,
     LayerSkipReport,
     PrefillEvent,
     Token,
     TokenEvent,
 )
-from text_generation_router.metrics import Metrics
+from text_generation_router.engine.metrics import Metrics
+from text_generation_router.engine.queue import Entry
 from text_generation_router.pb import generate_pb2 as pb
-from text_generation_router.queue import Entry
 
 CachedBatch = pb.CachedBatch  # the shard's handle of a batch it keeps; the batcher passes it back
 WarmupResponse = pb.WarmupResponse

@@ -15,22 +15,22 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from pydantic import ValidationError as PydanticError
 
-from text_generation_router.chat import chat_completion, plan_chat
-from text_generation_router.completions import completion
-from text_generation_router.errors import InferError, Overloaded
-from text_generation_router.generate import generate_response, stream_response
-from text_generation_router.http_body import TYPE_PREFIX, BodyError, read_json, read_json_value
-from text_generation_router.infer import Timing, run_together
-from text_generation_router.lifecycle import Lifecycle
-from text_generation_router.openapi import body_route, json_ok, json_or_sse_ok
-from text_generation_router.schemas import (
+from text_generation_router.engine.errors import InferError, Overloaded
+from text_generation_router.engine.infer import Timing, run_together
+from text_generation_router.engine.schemas import (
     ChatRequest,
     CompatGenerateRequest,
     CompletionRequest,
     GenerateParameters,
 )
-from text_generation_router.state import AppState
-from text_generation_router.wire_types import Str
+from text_generation_router.engine.wire_types import Str
+from text_generation_router.http.chat import chat_completion, plan_chat
+from text_generation_router.http.completions import completion
+from text_generation_router.http.generate import generate_response, stream_response
+from text_generation_router.http.http_body import TYPE_PREFIX, BodyError, read_json, read_json_value
+from text_generation_router.http.lifecycle import Lifecycle
+from text_generation_router.http.openapi import body_route, json_ok, json_or_sse_ok
+from text_generation_router.http.state import AppState
 
 
 class GenerateVertexInstance(BaseModel):

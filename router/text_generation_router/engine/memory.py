@@ -14,7 +14,7 @@ import ctypes
 import ctypes.util
 from collections.abc import Callable
 
-from text_generation_router.infer import Infer
+from text_generation_router.engine.infer import Infer
 
 TRIM_EVERY_S = 5.0
 

@@ -20,7 +20,7 @@ from pydantic import ValidationError as PydanticError
 from pydantic_core import ErrorDetails
 from starlette.requests import ClientDisconnect
 
-from text_generation_router.wire_types import describe
+from text_generation_router.engine.wire_types import describe
 
 M = TypeVar("M", bound=BaseModel)
 MAX_DEPTH = 128  # serde_json's recursion limit

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from text_generation_router.batcher import Health
-from text_generation_router.client import ShardClient
 from text_generation_router.config import RouterConfig, ServingLimits
+from text_generation_router.engine.batcher import Health
+from text_generation_router.engine.client import ShardClient
+from text_generation_router.engine.handshake import ShardInfo
+from text_generation_router.engine.infer import Infer
+from text_generation_router.engine.metrics import Metrics
+from text_generation_router.engine.tokenizer import Tokenizer
 from text_generation_router.env import RouterEnv
-from text_generation_router.handshake import ShardInfo
-from text_generation_router.infer import Infer
-from text_generation_router.metrics import Metrics
-from text_generation_router.tokenizer import Tokenizer
 
 
 @dataclass

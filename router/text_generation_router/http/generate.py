@@ -9,15 +9,15 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from text_generation_router import sse
-from text_generation_router.errors import IncompleteStream, InferError, ValidationFailed
-from text_generation_router.events import TokenEvent
-from text_generation_router.infer import FinishedGeneration, Timing, run_together
-from text_generation_router.lifecycle import Lifecycle
-from text_generation_router.responses import generate_json, stream_token_json
-from text_generation_router.schemas import GenerateRequest
-from text_generation_router.state import AppState
-from text_generation_router.validation import ValidationError, validate_best_of
+from text_generation_router.engine.errors import IncompleteStream, InferError, ValidationFailed
+from text_generation_router.engine.events import TokenEvent
+from text_generation_router.engine.infer import FinishedGeneration, Timing, run_together
+from text_generation_router.engine.schemas import GenerateRequest
+from text_generation_router.engine.validation import ValidationError, validate_best_of
+from text_generation_router.http import sse
+from text_generation_router.http.lifecycle import Lifecycle
+from text_generation_router.http.responses import generate_json, stream_token_json
+from text_generation_router.http.state import AppState
 
 
 def _mean_logprob(g: FinishedGeneration) -> float:

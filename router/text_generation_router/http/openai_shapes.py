@@ -8,10 +8,11 @@ import secrets
 import time
 from typing import Any
 
-from text_generation_router import __version__, sse
-from text_generation_router.errors import InferError
-from text_generation_router.infer import FinishedGeneration
-from text_generation_router.state import AppState
+from text_generation_router import __version__
+from text_generation_router.engine.errors import InferError
+from text_generation_router.engine.infer import FinishedGeneration
+from text_generation_router.http import sse
+from text_generation_router.http.state import AppState
 
 FINGERPRINT = f"{__version__}-native"
 # OpenAI's finish reasons (stop, length, tool_calls, content_filter): a stop sequence is `stop`

@@ -12,7 +12,7 @@ import contextlib
 
 from loguru import logger
 
-from text_generation_router.metrics import Metrics, render
+from text_generation_router.engine.metrics import Metrics, render
 
 MAX_HEAD_BYTES = 16384
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from text_generation_router.events import GeneratedText, LayerSkipReport, Token
-from text_generation_router.infer import FinishedGeneration, Timing
+from text_generation_router.engine.events import GeneratedText, LayerSkipReport, Token
+from text_generation_router.engine.infer import FinishedGeneration, Timing
 
 
 def token_json(t: Token) -> dict[str, Any]:

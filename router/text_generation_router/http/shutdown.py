@@ -18,9 +18,9 @@ import uvicorn
 from fastapi import FastAPI
 from loguru import logger
 
-from text_generation_router.batcher import Batcher
-from text_generation_router.connection import header_timeout_protocol
-from text_generation_router.infer import Infer
+from text_generation_router.engine.batcher import Batcher
+from text_generation_router.engine.infer import Infer
+from text_generation_router.http.connection import header_timeout_protocol
 
 
 def margin_s(timeout_s: float) -> float:

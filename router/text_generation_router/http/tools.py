@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from text_generation_router.errors import InferError
-from text_generation_router.schemas import FunctionDefinition, Tool
+from text_generation_router.engine.errors import InferError
+from text_generation_router.engine.schemas import FunctionDefinition, Tool
 
 NO_TOOL = "no_tool"
 DEFAULT_TOOL_PROMPT = (

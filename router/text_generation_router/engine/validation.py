@@ -15,8 +15,8 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from text_generation_router.config import ServingLimits
+from text_generation_router.engine.schemas import GenerateParameters, Grammar
 from text_generation_router.layer_skip import LAYER_SKIP_MODES
-from text_generation_router.schemas import GenerateParameters, Grammar
 
 GRAMMAR_TYPE_JSON, GRAMMAR_TYPE_REGEX = 1, 2  # proto GrammarType
 GRAMMAR_INVALID = "grammar is not valid"  # how every refusal of a grammar's content starts (the shard's too)

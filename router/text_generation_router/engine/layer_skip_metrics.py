@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
+from text_generation_router.layer_skip import LayerSkipMode
+
 from .events import LayerSkipReport
-from .layer_skip import LayerSkipMode
 
 DECISION_BUCKETS = tuple(1e-5 * 2**i for i in range(20))  # 10 us .. 5 s
 RATIO_BUCKETS = tuple(i / 10 for i in range(11))

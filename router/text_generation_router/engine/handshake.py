@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from loguru import logger
 
-from text_generation_router.client import ShardClient
 from text_generation_router.config import RouterConfig, ServingLimits
-from text_generation_router.dispatch import WarmupResponse, build_warmup_batch, warmup_request
+from text_generation_router.engine.client import ShardClient
+from text_generation_router.engine.dispatch import WarmupResponse, build_warmup_batch, warmup_request
 
 
 @dataclass(frozen=True)

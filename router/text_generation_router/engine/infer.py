@@ -20,14 +20,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from text_generation_router.errors import (
+from text_generation_router.engine.errors import (
     IncompleteGeneration,
     Overloaded,
     ShuttingDown,
     ValidationFailed,
     error_from_event,
 )
-from text_generation_router.events import (
+from text_generation_router.engine.events import (
     ErrorEvent,
     GeneratedText,
     InferEvent,
@@ -36,11 +36,11 @@ from text_generation_router.events import (
     Token,
     TokenEvent,
 )
-from text_generation_router.metrics import Metrics
-from text_generation_router.queue import Queue
-from text_generation_router.schemas import GenerateParameters
-from text_generation_router.tokenizer import Tokenizer, TokenSpan
-from text_generation_router.validation import (
+from text_generation_router.engine.metrics import Metrics
+from text_generation_router.engine.queue import Queue
+from text_generation_router.engine.schemas import GenerateParameters
+from text_generation_router.engine.tokenizer import Tokenizer, TokenSpan
+from text_generation_router.engine.validation import (
     DEFAULT_GENERATION_LENGTH,
     GRAMMAR_INVALID,
     GrammarCheck,

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from text_generation_router.launcher_args import LauncherArgs, parse_args
+from text_generation_router.launcher.launcher_args import LauncherArgs, parse_args
 from text_generation_router.layer_skip import LayerSkipMode
 
 POLL_S = 0.1

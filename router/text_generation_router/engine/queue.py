@@ -13,8 +13,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from text_generation_router.events import ErrorEvent, InferEvent, LayerSkipReport
-from text_generation_router.validation import ValidRequest
+from text_generation_router.engine.events import ErrorEvent, InferEvent, LayerSkipReport
+from text_generation_router.engine.validation import ValidRequest
 
 
 @dataclass

@@ -9,11 +9,12 @@ from typing import Any
 
 from fastapi import Request, Response
 
-from text_generation_router import sse
-from text_generation_router.events import Token, TokenEvent
-from text_generation_router.infer import Timing, run_together
-from text_generation_router.lifecycle import Lifecycle
-from text_generation_router.openai_shapes import (
+from text_generation_router.engine.events import Token, TokenEvent
+from text_generation_router.engine.infer import Timing, run_together
+from text_generation_router.engine.schemas import CompletionRequest, GenerateParameters
+from text_generation_router.http import sse
+from text_generation_router.http.lifecycle import Lifecycle
+from text_generation_router.http.openai_shapes import (
     FINGERPRINT,
     OPENAI_FINISH,
     OpenAIError,
@@ -27,8 +28,7 @@ from text_generation_router.openai_shapes import (
     stops,
     usage,
 )
-from text_generation_router.schemas import CompletionRequest, GenerateParameters
-from text_generation_router.state import AppState
+from text_generation_router.http.state import AppState
 
 
 def completion_parameters(req: CompletionRequest, state: AppState) -> tuple[list[str], GenerateParameters]:

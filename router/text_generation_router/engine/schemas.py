@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, Field, model_validator
 
-from text_generation_router.wire_types import (
+from text_generation_router.engine.wire_types import (
     Bool,
     OptBool,
     OptF32,
