@@ -37,15 +37,15 @@ from common import write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from text_generation_server.download import download_weights  # noqa: E402
+from text_generation_server.engine.batch import CausalLMBatch  # noqa: E402
+from text_generation_server.engine.causal_lm import CausalLM  # noqa: E402
+from text_generation_server.engine.skip_planner import LayerSkipConfig, SkipPlanner  # noqa: E402
 from text_generation_server.layerskip_cli.prompt_classes import CLASSES, build  # noqa: E402
 from text_generation_server.layerskip_cli.prompts import _parse_line  # noqa: E402
-from text_generation_server.models.batch import CausalLMBatch  # noqa: E402
-from text_generation_server.models.causal_lm import CausalLM  # noqa: E402
-from text_generation_server.models.draft_control import SpeculateConfig  # noqa: E402
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer  # noqa: E402
 from text_generation_server.models.runner import build_runner  # noqa: E402
 from text_generation_server.models.shipped_policies import find_shipped_policy  # noqa: E402
-from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner  # noqa: E402
+from text_generation_server.speculative.controller import SpeculateConfig  # noqa: E402
 
 from factories import make_batch, make_request  # noqa: E402
 
@@ -170,7 +170,7 @@ def model_lms(model_id: str, dtype: str, policy: str, speculate: int) -> tuple[d
            "speculate": lm("off", None, SpeculateConfig(speculate))}
     cost = lms["verified"].costs()
     for other in ("off", "speculate"):
-        lms[other].cost_model = cost  # one measurement serves all (same runner)
+        lms[other].costs.model = cost  # one measurement serves all (same runner)
     return lms, str(found) if found else None
 
 

@@ -24,11 +24,11 @@ from common import write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from text_generation_server.download import DEFAULT_MODEL_ID, download_weights  # noqa: E402
-from text_generation_server.models.batch import CausalLMBatch  # noqa: E402
-from text_generation_server.models.causal_lm import CausalLM  # noqa: E402
+from text_generation_server.engine.batch import CausalLMBatch  # noqa: E402
+from text_generation_server.engine.causal_lm import CausalLM  # noqa: E402
+from text_generation_server.engine.skip_planner import LayerSkipConfig, SkipPlanner  # noqa: E402
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer  # noqa: E402
 from text_generation_server.models.runner import build_runner  # noqa: E402
-from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner  # noqa: E402
 
 from factories import make_batch, make_request  # noqa: E402
 from policies import write_policy  # noqa: E402
@@ -87,7 +87,7 @@ def main() -> None:
     forced = make_lm(path, model, "verified", policy)
     forced.auto_off = False
     cost = verified.costs()
-    forced.cost_model = cost
+    forced.costs.model = cost
     results: dict[str, object] = {"skip": sorted(skip), "threads": args.threads, "new_tokens": args.new_tokens,
                                   "cost_model": {"step_ms": cost.step_s * 1000,
                                                  "verify_ms": [t * 1000 for t in cost.verify_s],

@@ -20,7 +20,7 @@ import torch
 
 from text_generation_server.download import DEFAULT_MODEL_ID, download_weights
 from text_generation_server.models.loading import LoadConfig, load_model
-from text_generation_server.models.runner import FastLlamaRunner, FastRunnerConfig
+from text_generation_server.models.runner import FastLlamaRunner, FastRunnerConfig, ForwardInputs
 
 from common import write_results
 
@@ -55,10 +55,10 @@ def read_seconds(buffer: torch.Tensor, reads: int = 5) -> float:
 def step_seconds(runner: FastLlamaRunner, steps: int = 32) -> float:
     cache = runner.new_cache(1)
     ids = torch.arange(1, 9)[None]
-    runner.forward(ids, torch.arange(8)[None], torch.ones_like(ids), cache)
+    runner.forward(ForwardInputs.contiguous(ids), cache)
     start = time.perf_counter()
     for i in range(steps):
-        runner.forward(ids[:, :1], torch.tensor([[8 + i]]), torch.ones((1, 9 + i), dtype=torch.long), cache)
+        runner.forward(ForwardInputs.contiguous(ids[:, :1], 8 + i), cache)
     return (time.perf_counter() - start) / steps
 
 

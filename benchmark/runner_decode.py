@@ -46,7 +46,7 @@ from text_generation_server.download import (
 )
 from text_generation_server.env import process_env
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
-from text_generation_server.models.runner import FastLlamaRunner, FastRunnerConfig, Runner, cpu_kernels
+from text_generation_server.models.runner import FastLlamaRunner, FastRunnerConfig, ForwardInputs, Runner, cpu_kernels
 
 from decode_report import report
 from roofline import read_seconds, weight_bytes
@@ -80,14 +80,14 @@ def runner_generate(runner: Runner, prompts: list[list[int]], new_tokens: int) -
         mask[row, longest - len(prompt):] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = runner.new_cache(len(prompts))
-    tokens = runner.forward(ids, positions, mask, cache)[:, -1].argmax(-1)  # [rows]
+    tokens = runner.forward(ForwardInputs(ids, positions, mask), cache)[:, -1].argmax(-1)  # [rows]
     first_row = [tokens[0]]
     positions = positions[:, -1:]
     ones = torch.ones((len(prompts), 1), dtype=torch.long)
     for _ in range(new_tokens - 1):
         mask = torch.cat([mask, ones], dim=1)
         positions = positions + 1
-        tokens = runner.forward(tokens[:, None], positions, mask, cache)[:, -1].argmax(-1)
+        tokens = runner.forward(ForwardInputs(tokens[:, None], positions, mask), cache)[:, -1].argmax(-1)
         first_row.append(tokens[0])
     return len(prompts) * new_tokens / (time.perf_counter() - start), [int(t) for t in first_row]
 

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from layerskip_modes import model_lms, prompt_texts
 
-from text_generation_server.models.causal_lm import CausalLM
+from text_generation_server.engine.causal_lm import CausalLM
+from text_generation_server.models.runner import ForwardInputs
 from text_generation_server.sampling.chooser import position_noise, race
 
 from common import write_results
@@ -38,18 +39,16 @@ def first_draft_acceptance(lm: CausalLM, prompt: str, tokens: int, temperature: 
     ids = lm.tokenizer(prompt)["input_ids"]
     n = len(ids)
     cache = runner.new_cache(1)
-    x = int(runner.forward(torch.tensor([ids]), torch.arange(n)[None], torch.ones((1, n), dtype=torch.long),
-                           cache)[0, -1].argmax())
+    x = int(runner.forward(ForwardInputs.contiguous(torch.tensor([ids])), cache)[0, -1].argmax())
+    draft_model = runner.draft_model(rule.skip, head.weight if head is not None else None, lm.planner.biases)
     rejection, coupling = [], []
     for _ in range(tokens):
-        position, mask = torch.tensor([[n]]), torch.ones((1, n + 1), dtype=torch.long)
-        q = runner.forward(torch.tensor([[x]]), position, mask, cache, skip_layers=rule.skip,
-                           bypass_biases=lm.planner.biases, head=head.weight if head is not None else None,
-                           draft=True)[0, -1].float()
+        step = ForwardInputs.contiguous(torch.tensor([[x]]), n)
+        q = draft_model.forward(step, cache)[0, -1].float()
         cache.crop(n)  # the draft's keys and values go; the full forward writes the true ones
         if head is not None:
             q = head.to_full(q, runner.vocab_size)
-        logits = runner.forward(torch.tensor([[x]]), position, mask, cache)[0, -1].float()
+        logits = runner.forward(step, cache)[0, -1].float()
         logp, logq = (logits / temperature).log_softmax(-1), (q / temperature).log_softmax(-1)
         rejection.append(float(torch.minimum(logp.exp(), logq.exp()).sum()))
         noises = (position_noise(seed, n, logp.shape[-1]) for seed in range(draws))

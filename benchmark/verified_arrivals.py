@@ -19,15 +19,15 @@ import argparse
 import copy
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import layerskip_modes
 import torch
 
-from text_generation_server.models import draft_control
-from text_generation_server.models.batch import CausalLMBatch, RequestState
-from text_generation_server.models.causal_lm import CausalLM
-from text_generation_server.models.draft_control import CyclePlan, DraftController
+from text_generation_server.engine.batch import CausalLMBatch, RequestState
+from text_generation_server.engine.causal_lm import CausalLM
+from text_generation_server.speculative.controller import CyclePlan, DraftController
 
 from common import write_results
 from factories import make_batch, make_request
@@ -42,11 +42,11 @@ class NoGroupLearning(DraftController):
     def plan_cycle(self, states: list[RequestState]) -> CyclePlan:
         if len(states) == 1:
             return super().plan_cycle(states)
-        saved, draft_control.LEARN_FLOOR = draft_control.LEARN_FLOOR, float("inf")
+        served, self.tuning = self.tuning, replace(self.tuning, learn_floor=float("inf"))
         try:
             return super().plan_cycle(states)
         finally:
-            draft_control.LEARN_FLOOR = saved
+            self.tuning = served
 
 
 def decode(lm: CausalLM, jobs: list[tuple[str, int]], rows: int) -> tuple[float, dict[int, list[int]]]:
@@ -107,7 +107,7 @@ def main() -> None:
     no_group_learning = copy.copy(verified)  # the verified model as loaded (heads, cost model), its controller swapped
     served = verified.controller
     no_group_learning.controller = NoGroupLearning(verified.costs, served.max_draft, served.ngram, served.dtype,
-                                                   served.kernels)
+                                                   served.kernels, served.tuning)
     modes = {"off": lms["off"], "verified": verified, "verified_no_group_learning": no_group_learning,
              "speculate": lms["speculate"]}
     runs: dict[str, list[float]] = {name: [] for name in modes}

@@ -22,14 +22,14 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 import torch
 from layerskip_modes import model_lms, prompt_texts
 
-from text_generation_server.models import draft_control
-from text_generation_server.models.batch import CausalLMBatch
-from text_generation_server.models.causal_lm import CausalLM
+from text_generation_server.engine.batch import CausalLMBatch
+from text_generation_server.engine.causal_lm import CausalLM
 
 from common import write_results
 from factories import make_batch, make_request
@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts of the class, decoded one after another")
     parser.add_argument("--batch", type=int, default=1, help="rows per decode (the prompt repeated)")
     parser.add_argument("--min-gain-rows", type=float, default=None,
-                        help="override draft_control.MIN_GAIN_ROWS of --dtype, on any kernels, for this run")
+                        help="the multi-row draft bar (DraftTuning.min_gain_rows) of --dtype on any kernels")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=None,
                         help="seeded sampling at this temperature (row i has seed i) instead of greedy decoding")
@@ -126,11 +126,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    if args.min_gain_rows is not None:
-        for key in [k for k in draft_control.MIN_GAIN_ROWS if k.startswith(f"{args.dtype}/")]:
-            del draft_control.MIN_GAIN_ROWS[key]  # this run's bar whatever the kernels
-        draft_control.MIN_GAIN_ROWS[args.dtype] = args.min_gain_rows
     lms, policy = model_lms(args.model, args.dtype, "auto", 6)
+    if args.min_gain_rows is not None:  # this run's bar for its dtype, whatever the kernels
+        for lm in lms.values():
+            lm.controller.tuning = replace(lm.controller.tuning, min_gain_rows={args.dtype: args.min_gain_rows})
     cost = lms["verified"].costs()
     texts = prompt_texts(lms["off"].tokenizer, args.prompts)[args.prompt_class]
     print(f"{args.model} {args.dtype}: policy {policy}; step {cost.step_s * 1e3:.1f} ms, verify(k+1)/step "

@@ -23,7 +23,7 @@ import torch
 
 from text_generation_server.download import DEFAULT_MODEL_ID, QWEN_CODER_05B_ID, download_weights
 from text_generation_server.models.loading import LoadConfig, load_model
-from text_generation_server.models.runner import FastLlamaRunner, KVCache
+from text_generation_server.models.runner import FastLlamaRunner, ForwardInputs, KVCache
 
 from common import write_results
 
@@ -32,11 +32,9 @@ MODELS = {"default": DEFAULT_MODEL_ID, "qwen0.5b": QWEN_CODER_05B_ID}
 
 def forward_seconds(runner: FastLlamaRunner, cache: KVCache, context: int, k: int) -> float:
     """One forward of k new tokens after `context` cached ones (the cache is cropped back after)."""
-    ids = torch.arange(100, 100 + k)[None]
-    positions = torch.arange(context, context + k)[None]
-    mask = torch.ones((1, context + k), dtype=torch.long)
+    inputs = ForwardInputs.contiguous(torch.arange(100, 100 + k)[None], context, last_only=False)
     start = time.perf_counter()
-    runner.forward(ids, positions, mask, cache, last_only=False)
+    runner.forward(inputs, cache)
     seconds = time.perf_counter() - start
     cache.crop(context)
     return seconds
@@ -55,7 +53,7 @@ def main() -> None:
     runner = FastLlamaRunner(load_model(download_weights(MODELS[args.model]), LoadConfig(dtype=args.dtype)))
     cache = runner.new_cache(1)
     prompt = torch.arange(1, args.context + 1)[None]
-    runner.forward(prompt, torch.arange(args.context)[None], torch.ones_like(prompt), cache)
+    runner.forward(ForwardInputs.contiguous(prompt), cache)
     samples: dict[int, list[float]] = {k: [] for k in range(1, args.max_k + 1)}
     for k in samples:  # warm-up
         forward_seconds(runner, cache, args.context, k)

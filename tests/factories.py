@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from text_generation_server.pb import generate_pb2, generate_pb2_grpc
 
 if TYPE_CHECKING:
-    from text_generation_server.models.batch import CausalLMBatch
-    from text_generation_server.models.causal_lm import CausalLM, FinishedText, LayerSkipReport
+    from text_generation_server.engine.batch import CausalLMBatch
+    from text_generation_server.engine.causal_lm import CausalLM, FinishedText, LayerSkipReport
 
 # The guided-generation tests' grammars: a JSON schema and a regex.
 PERSON = {

@@ -21,8 +21,8 @@ from .grammar_limits import GrammarLimits
 from .layerskip import LayerSkipMode
 
 if TYPE_CHECKING:
-    from .models.causal_lm import CausalLM
-    from .models.skip_planner import LayerSkipConfig
+    from .engine.causal_lm import CausalLM
+    from .engine.skip_planner import LayerSkipConfig
     from .server import ServeConfig
 
 app = typer.Typer(add_completion=False, help="A TGI v3 shard with input-adaptive layer skipping.")
@@ -146,9 +146,9 @@ def serve(
         GrammarLimits.compile_timeout_s, help="seconds a grammar may compile before its requests are refused"),
 ) -> None:
     """Serve MODEL_ID over gRPC on the unix socket {uds_path}-{rank}."""
+    from .engine.audit_check import AuditConfig
+    from .engine.skip_planner import LayerSkipConfig
     from .env import ShardEnv
-    from .models.audit_check import AuditConfig
-    from .models.skip_planner import LayerSkipConfig
 
     setup_logging(logger_level, json_output)
     try:
@@ -176,7 +176,7 @@ def _build(model_id: str, revision: str | None, sharded: bool, quantize: Quantiz
            runner: str, layer_skip: LayerSkipConfig) -> tuple[CausalLM, ServeConfig]:
     import torch
 
-    from .models import get_model
+    from .engine import get_model
     from .models.loading import LoadConfig
     from .server import ServeConfig
 
@@ -186,7 +186,7 @@ def _build(model_id: str, revision: str | None, sharded: bool, quantize: Quantiz
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype.value} is not supported on this backend")
     load = LoadConfig(quantize=quantize.value if quantize else None,
                       dtype=dtype.value if dtype else "float32", trust_remote_code=trust_remote_code)
-    from .models.draft_control import SpeculateConfig
+    from .speculative.controller import SpeculateConfig
 
     model = get_model(model_id, revision, load, runner, layer_skip, SpeculateConfig(speculate))
     limit = max_input_tokens or model.max_position_embeddings - 1

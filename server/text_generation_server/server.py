@@ -26,12 +26,12 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 from loguru import logger
 
-from .cache import Cache
+from .engine.batch import CausalLMBatch, grammar_from_pb
+from .engine.batch_cache import Cache
+from .engine.causal_lm import CausalLM, Generation, TokenInfo
+from .engine.skip_planner import PolicyState
 from .env import ShardEnv
 from .grammar_limits import GrammarLimits
-from .models.batch import CausalLMBatch, grammar_from_pb
-from .models.causal_lm import CausalLM, Generation, TokenInfo
-from .models.skip_planner import PolicyState
 from .pb import generate_pb2, generate_pb2_grpc
 from .sampling import ChoiceContext
 

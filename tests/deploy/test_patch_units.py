@@ -65,7 +65,7 @@ def test_configuration_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 def test_our_own_servers_causal_lm_is_not_taken_for_upstreams() -> None:
-    from text_generation_server.models import causal_lm
+    from text_generation_server.engine import causal_lm
 
     with pytest.raises(compat.UnknownUpstreamError) as refused:
         compat.check_upstream(causal_lm)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from text_generation_server.models.runner import KVCache, Runner
+from text_generation_server.models.runner import ForwardInputs, KVCache, Runner
 
 
 @dataclass
@@ -29,14 +29,15 @@ class Stream:
             mask[row, longest - len(prompt):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = runner.new_cache(len(prompts))
-        logits = runner.forward(ids, positions, mask, cache, last_only=False)
+        logits = runner.forward(ForwardInputs(ids, positions, mask, last_only=False), cache)
         return cls(runner, cache, mask), logits
 
     def step(self, next_ids: torch.Tensor, skip_layers: frozenset[int] = frozenset()) -> torch.Tensor:
         """Decode one token per row (`next_ids` `[rows]`); returns logits `[rows, vocab]`."""
         self.mask = torch.cat([self.mask, torch.ones((self.mask.shape[0], 1), dtype=torch.long)], dim=1)
         positions = self.mask.sum(-1, keepdim=True) - 1
-        logits = self.runner.forward(next_ids[:, None], positions, self.mask, self.cache, skip_layers=skip_layers)
+        model = self.runner.bypassing(skip_layers)
+        logits = model.forward(ForwardInputs(next_ids[:, None], positions, self.mask), self.cache)
         return logits[:, -1]
 
     def filter(self, rows: list[int]) -> None:

@@ -45,6 +45,7 @@ from text_generation_server.models.loading import LoadConfig, load_model, load_t
 from text_generation_server.models.runner import (
     FastLlamaRunner,
     FastRunnerConfig,
+    ForwardInputs,
     TransformersRunner,
     build_runner,
     cpu_kernels,
@@ -117,7 +118,7 @@ def _verify(stream: Stream, drafts: torch.Tensor) -> torch.Tensor:
     rows, k = drafts.shape
     stream.mask = torch.cat([stream.mask, torch.ones((rows, k), dtype=torch.long)], dim=1)
     positions = stream.mask.sum(-1, keepdim=True) - k + torch.arange(k)[None]
-    return stream.runner.forward(drafts, positions, stream.mask, stream.cache, last_only=False)
+    return stream.runner.forward(ForwardInputs(drafts, positions, stream.mask, last_only=False), stream.cache)
 
 
 @pytest.mark.parametrize(("rows", "k"), [(1, 2), (1, 7), (2, 8), (4, 4), (3, 6)])
@@ -211,7 +212,7 @@ def test_skip_layers_bypasses_layers_and_allocates_no_cache(model: PreTrainedMod
     fast._layer = counting_layer  # type: ignore[method-assign]
     ids = torch.tensor([prompts[0]])
     cache = fast.new_cache(1)
-    logits = fast.forward(ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids), cache, skip_layers=skip)
+    logits = fast.bypassing(skip).forward(ForwardInputs.contiguous(ids), cache)
     assert called == [i for i in range(fast.num_layers) if i not in skip]
     assert all((cache.keys[i] is None) == (i in skip) for i in range(fast.num_layers))
     assert logits.shape == (1, 1, fast.vocab_size)
@@ -277,19 +278,19 @@ def test_int8_head_within_tolerance(model: PreTrainedModel, prompts: list[list[i
 def _drafts_and_steps(runner: FastLlamaRunner, prompt: list[int], new_tokens: int = 24) -> tuple[torch.Tensor,
                                                                                                  torch.Tensor]:
     """Per position of `prompt` (the first prefilled) and of `new_tokens` greedy tokens after it,
-    a draft forward (Runner.forward's draft=True, cropped away) and the full forward after it:
+    a draft forward (Runner.draft_model with nothing skipped, cropped away) and the full forward after it:
     `[positions, vocab]` each, as verified mode drafts and verifies token by token."""
     cache = runner.new_cache(1)
-    runner.forward(torch.tensor([prompt[:1]]), torch.tensor([[0]]), torch.ones((1, 1), dtype=torch.long), cache)
+    runner.forward(ForwardInputs.contiguous(torch.tensor([prompt[:1]])), cache)
+    draft_model = runner.draft_model(frozenset())
     tokens, drafts, steps = list(prompt), [], []
     for position in range(1, len(prompt) + new_tokens):
         if position == len(tokens):
             tokens.append(int(steps[-1].argmax()))
-        args = (torch.tensor([[tokens[position]]]), torch.tensor([[position]]),
-                torch.ones((1, position + 1), dtype=torch.long))
-        drafts.append(runner.forward(*args, cache, draft=True)[0, -1])
+        step = ForwardInputs.contiguous(torch.tensor([[tokens[position]]]), position)
+        drafts.append(draft_model.forward(step, cache)[0, -1])
         cache.crop(position)
-        steps.append(runner.forward(*args, cache)[0, -1])
+        steps.append(runner.forward(step, cache)[0, -1])
     return torch.stack(drafts), torch.stack(steps)
 
 

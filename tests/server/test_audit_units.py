@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from text_generation_server.models.audit_check import AuditConfig, AuditMonitor
+from text_generation_server.engine.audit_check import AuditConfig, AuditMonitor
 
 
 def test_monitor_window_and_rate() -> None:

@@ -12,38 +12,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from text_generation_server.engine.batch import RequestState
 from text_generation_server.layerskip import DraftSettings, DraftVocab, IdentityMap, Policy, Rule, RuleTable
 from text_generation_server.layerskip.policy import read_policy, save_policy
 from text_generation_server.layerskip_cli.prompts import Prompt
 from text_generation_server.layerskip_cli.verified import PromptRun, score
-from text_generation_server.models.batch import RequestState
-from text_generation_server.models.cost_model import LONG_CONTEXT, CostModel, _Timer, monotone, tokens_per_cycle
-from text_generation_server.models.draft_control import (
-    LEARN_FLOOR,
-    MIN_GAIN,
-    MIN_GAIN_ROWS,
-    MIN_GAIN_ROWS_OTHER,
-    MIN_RULE_CYCLES,
-    NGRAM_PRIOR,
-    PROBE_EVERY,
-    REQUEST_PRIOR_WEIGHT,
-    DraftController,
-    SpeculateConfig,
-    copy_acceptance,
-)
-from text_generation_server.models.draft_head import DraftHeads
-from text_generation_server.models.ngram import NgramIndex, Watch
-from text_generation_server.models.runner import FastLlamaRunner
-from text_generation_server.models.speculative import MIN_CYCLES_BEFORE_AUTO_OFF, SpecState
-from text_generation_server.sampling import (
-    NextTokenChooser,
-    Proposal,
-    SamplingParams,
-    accept,
-    copied_drafts,
-    draft_token,
-)
+from text_generation_server.models.runner import FastLlamaRunner, ForwardInputs, LayerPath
+from text_generation_server.models.runner.base import RunnerView
+from text_generation_server.sampling import NextTokenChooser, SamplingParams
+from text_generation_server.speculative.accept import Proposal, accept, copied_drafts, draft_token
+from text_generation_server.speculative.controller import DraftController, SpeculateConfig, copy_acceptance
+from text_generation_server.speculative.cost_model import LONG_CONTEXT, CostModel, _Timer, monotone, tokens_per_cycle
+from text_generation_server.speculative.draft_head import DraftHeads
+from text_generation_server.speculative.ngram import NgramIndex, Watch
+from text_generation_server.speculative.state import SpecState
+from text_generation_server.speculative.tuning import DraftTuning
 from text_generation_server.stopping import StoppingCriteria
+
+TUNING = DraftTuning()  # the shard's defaults
 
 
 def tiny_qwen2() -> torch.nn.Module:
@@ -75,9 +61,8 @@ def test_reduced_head_logits_are_the_full_logits_of_its_ids() -> None:
     head = heads.get(4)
     assert head is not None and head.size == 4 and head.to_ids(torch.tensor(2)) == 90
     ids = torch.tensor([[7, 8, 9, 10]])
-    full = runner.forward(ids, torch.arange(4)[None], torch.ones((1, 4), dtype=torch.long), runner.new_cache(1))
-    sub = runner.forward(ids, torch.arange(4)[None], torch.ones((1, 4), dtype=torch.long), runner.new_cache(1),
-                         head=head.weight)
+    full = runner.forward(ForwardInputs.contiguous(ids), runner.new_cache(1))
+    sub = RunnerView(runner, LayerPath(head=head.weight)).forward(ForwardInputs.contiguous(ids), runner.new_cache(1))
     assert sub.shape == (1, 1, 4)
     torch.testing.assert_close(sub[0, 0], full[0, 0, head.token_ids], atol=1e-5, rtol=1e-5)
     expanded = head.to_full(sub[0, 0], 97)
@@ -88,7 +73,7 @@ def test_reduced_head_logits_are_the_full_logits_of_its_ids() -> None:
 
 def _first_token_counts(draft_logits: torch.Tensor, head_ids: torch.Tensor | None, target: torch.Tensor,
                         copied: int | None, samples: int) -> torch.Tensor:
-    from text_generation_server.models.draft_head import DraftHead
+    from text_generation_server.speculative.draft_head import DraftHead
 
     head = None if head_ids is None else DraftHead(head_ids, torch.zeros((len(head_ids), 1)))
     verify = torch.stack([target, target])  # [2, vocab]: after the pending token and after the draft
@@ -126,7 +111,7 @@ def test_sampling_stays_exact_with_a_reduced_head_or_a_copied_draft(kind: str) -
 def test_a_sampled_draft_over_a_reduced_head_races_as_the_full_vocabulary_would(warper: dict[str, float]) -> None:
     """Without penalties, grammar or watermark a reduced head's draft races its own words (with
     their noise) instead of a full-vocabulary copy with -inf elsewhere: the same token and noise."""
-    from text_generation_server.models.draft_head import DraftHead
+    from text_generation_server.speculative.draft_head import DraftHead
 
     generator = torch.Generator().manual_seed(5)
     vocab = 1000
@@ -245,13 +230,14 @@ def test_plan_cycle_uses_copies_first_and_drafts_only_when_it_pays() -> None:
     copying = _state(1, [4, 5, 6, 7, 4, 5], SpecState(rule="r", skip=skip))
     drafting = _state(2, [1, 2, 3], SpecState(rule="r", skip=skip))
     cycle = controller.plan_cycle([copying, drafting])
-    assert cycle.ngram[0] and cycle.ngram[0] == [6, 7, 4, 5][: len(cycle.ngram[0])] and cycle.ngram[1] == []
-    assert cycle.model_k >= 2 and cycle.model_rows == [False, True] and cycle.skip == skip
+    copies = [r.copies for r in cycle.rows]
+    assert copies[0] and copies[0] == [6, 7, 4, 5][: len(copies[0])] and copies[1] == []
+    assert cycle.model_k >= 2 and [r.model for r in cycle.rows] == [False, True] and cycle.skip == skip
     # Rows whose rules bypass different layers share one draft forward: the layers both bypass.
     wider = _state(3, [1, 2, 3], SpecState(rule="r", skip=frozenset({1, 2, 3})))
     assert controller.plan_cycle([copying, wider]).skip == {1, 2, 3}
     cycle = controller.plan_cycle([copying, drafting, wider])
-    assert cycle.skip == skip and cycle.model_rows == [False, True, True]
+    assert cycle.skip == skip and [r.model for r in cycle.rows] == [False, True, True]
     drafting.spec.auto_off = True  # type: ignore[union-attr]
     assert controller.plan_cycle([copying, drafting, wider]).skip == {1, 2, 3}
     drafting.spec.auto_off = False  # type: ignore[union-attr]
@@ -271,7 +257,7 @@ def test_a_request_watches_the_copies_its_batch_does_not_draft() -> None:
     controller = DraftController(lambda: cost, max_draft=4, ngram=True)
     ids = [4, 5, 6, 7, 8, 9, 4, 5]
     rows = [_state(i, list(ids), SpecState(rule="r")) for i in range(4)]
-    assert cost.best_free_k(NGRAM_PRIOR, rows=4) == (0, 1.0)
+    assert cost.best_free_k(TUNING.ngram_prior, rows=4) == (0, 1.0)
     assert not controller.plan_cycle(rows).drafts_anything
     for state in rows:
         assert state.spec is not None and state.spec.watch is not None
@@ -281,7 +267,7 @@ def test_a_request_watches_the_copies_its_batch_does_not_draft() -> None:
         controller.observe(state)
     assert all(s.spec is not None and s.spec.watched.accepted == 4 and s.spec.ngram.cycles == 0 for s in rows)
     cycle = controller.plan_cycle(rows)
-    assert all(cycle.ngram) and all(s.spec is not None and s.spec.watch is None for s in rows)
+    assert all(r.copies for r in cycle.rows) and all(s.spec is not None and s.spec.watch is None for s in rows)
     # Two rows without a match bound the batch's pace: the copying rows' drafts no longer pay.
     unmatched = [_state(9, [1, 2, 3], SpecState(rule="r")), _state(10, [1, 2, 3], SpecState(rule="r"))]
     assert not controller.plan_cycle([*rows[:2], *unmatched]).drafts_anything
@@ -348,44 +334,44 @@ def test_a_rule_that_does_not_pay_is_switched_off_and_probed() -> None:
     controller = DraftController(lambda: cost, max_draft=4, ngram=False)
     assert controller.admits("bad", 0.95)
     state = _state(1, [1, 2, 3], SpecState(rule="bad", skip=skip))
-    for _ in range(MIN_RULE_CYCLES):
+    for _ in range(TUNING.min_rule_cycles):
         controller.record(state, "model", 3, 0)
     assert controller.rules["bad"].disabled
-    admitted = [controller.admits("bad", 0.95) for _ in range(2 * PROBE_EVERY)]
-    assert admitted.count(True) == 2  # one probe in PROBE_EVERY new requests
-    for _ in range(4 * MIN_RULE_CYCLES):
+    admitted = [controller.admits("bad", 0.95) for _ in range(2 * TUNING.probe_every)]
+    assert admitted.count(True) == 2  # one probe in TUNING.probe_every new requests
+    for _ in range(4 * TUNING.min_rule_cycles):
         controller.record(state, "model", 3, 3)
     assert not controller.rules["bad"].disabled  # acceptance recovered
 
 
 def test_a_request_near_the_pay_line_drafts_its_first_cycles_to_learn() -> None:
-    """A prior that puts drafting just short of MIN_GAIN (1.03x here) does not decide alone: a new
-    request drafts until its own drafts weigh as much as that prior (REQUEST_PRIOR_WEIGHT), then
+    """A prior that puts drafting just short of TUNING.min_gain (1.03x here) does not decide alone: a new
+    request drafts until its own drafts weigh as much as that prior (TUNING.request_prior_weight), then
     its own acceptance decides (accepted: it goes on; rejected: plain decoding). A prior well below
     the line never drafts."""
     skip = frozenset({1, 2})
     cost = CostModel((1, 2, 4, 8), (1.0, 1.12, 1.15, 1.3), layer_s=0.175)  # a draft costs 0.65 steps
     controller = DraftController(lambda: cost, max_draft=4, ngram=False)
     controller.rule("r", 0.83)
-    assert 1.0 < cost.best_k(0.83, skip)[1] < MIN_GAIN
+    assert 1.0 < cost.best_k(0.83, skip)[1] < TUNING.min_gain
     for accepted, then_drafts in ((1, True), (0, False)):
         state = _state(accepted, [1, 2, 3], SpecState(rule="r", skip=skip))
         assert state.spec is not None
-        while state.spec.model.drafted < REQUEST_PRIOR_WEIGHT:
+        while state.spec.model.drafted < TUNING.request_prior_weight:
             drafts = controller.plan_cycle([state]).model_k
             assert drafts >= 1
             controller.record(state, "model", drafts, drafts * accepted)
-        assert state.spec.model.cycles >= MIN_CYCLES_BEFORE_AUTO_OFF
+        assert state.spec.model.cycles >= TUNING.min_cycles_before_auto_off
         assert (controller.plan_cycle([state]).model_k > 0) == then_drafts
     controller.rule("low", 0.6)
-    assert cost.best_k(0.6, skip)[1] < LEARN_FLOOR
+    assert cost.best_k(0.6, skip)[1] < TUNING.learn_floor
     assert not controller.plan_cycle([_state(3, [1, 2, 3], SpecState(rule="low", skip=skip))]).model_k
 
 
 def test_rows_of_a_group_learn_a_rule_that_another_class_sank() -> None:
     """A rule shared by two classes: one class's rejected drafts sink its pooled acceptance under
     the multi-row bar. New rows of the other class still draft in a group (predicted within
-    LEARN_FLOOR) while their own drafts weigh less than their prior, so their acceptance decides:
+    TUNING.learn_floor) while their own drafts weigh less than their prior, so their acceptance decides:
     kept, they go on drafting; rejected, they stop. Without this, nothing in a group would ever
     draft with the rule again to measure it. Groups larger than the cost model measured (priced by
     extrapolation) do not learn."""
@@ -399,7 +385,7 @@ def test_rows_of_a_group_learn_a_rule_that_another_class_sank() -> None:
         controller.record(sinker, "model", 2, 0)  # 10 cycles rejected at once: the rule's 0.82 sinks to 0.50
     for rows_in_group in (2, 3):
         rate = cost.best_k(controller.rules["shared"].estimate(), skip, rows=rows_in_group)[1]
-        assert LEARN_FLOOR < rate < MIN_GAIN_ROWS["float32"], rows_in_group
+        assert TUNING.learn_floor < rate < TUNING.min_gain_rows["float32"], rows_in_group
     unmeasured = [_state(i, [1, 2, 3], SpecState(rule="shared", skip=skip)) for i in range(3)]
     assert not controller.plan_cycle(unmeasured).model_k
     for accepted, then_drafts in ((1, True), (0, False)):
@@ -416,14 +402,14 @@ def test_rows_of_a_group_learn_a_rule_that_another_class_sank() -> None:
 
 
 def test_model_drafts_of_several_rows_must_clear_a_higher_bar() -> None:
-    """Served multi-row cycles cost more than their warm-up price (see MIN_GAIN_ROWS): drafts
+    """Served multi-row cycles cost more than their warm-up price (see TUNING.min_gain_rows): drafts
     predicted at 1.14x pay alone and do not in a group of two. Copies keep the one-row bar (see
-    MIN_GAIN_ROWS: the higher bar stopped more copies that paid than copies that did not)."""
+    TUNING.min_gain_rows: the higher bar stopped more copies that paid than copies that did not)."""
     cost = CostModel((1, 2, 4, 8), (1.0, 1.1, 1.2, 1.4), layer_s=0.3)  # a draft costs 0.4 steps
     controller = DraftController(lambda: cost, max_draft=4, ngram=False)
     controller.rule("r", 0.7)
     skip = frozenset({1, 2})
-    assert MIN_GAIN < cost.best_k(0.7, skip, rows=2)[1] < MIN_GAIN_ROWS["float32"]
+    assert TUNING.min_gain < cost.best_k(0.7, skip, rows=2)[1] < TUNING.min_gain_rows["float32"]
     rows = [_state(i, [1, 2, 3], SpecState(rule="r", skip=skip)) for i in range(2)]
     for state in rows:  # rows that have learnt their acceptance (0.7): no drafts for learning's sake
         for _ in range(3):
@@ -440,14 +426,17 @@ def test_model_drafts_of_several_rows_must_clear_a_higher_bar() -> None:
         assert state.spec is not None
         for kept in (1, 0, 0, 0, 0, 0, 0):
             state.spec.watched.record(1, kept)
-    assert MIN_GAIN < cost.best_free_k(copy_acceptance(copying[0].spec), rows=2)[1] < MIN_GAIN_ROWS["float32"]
-    assert copier.plan_cycle(copying[:1]).ngram[0] and all(copier.plan_cycle(copying).ngram)
+    acceptance = copy_acceptance(copying[0].spec, TUNING.ngram_prior)
+    assert TUNING.min_gain < cost.best_free_k(acceptance, rows=2)[1] < TUNING.min_gain_rows["float32"]
+    assert copier.plan_cycle(copying[:1]).rows[0].copies and all(r.copies for r in copier.plan_cycle(copying).rows)
     # The bar is the dtype's on the runner's kernels where those have their own (bfloat16 on amx).
     bars = {(dtype, kernels): DraftController(lambda: cost, 4, False, dtype, kernels).rows_bar()
             for dtype, kernels in (("float32", "avx2"), ("bfloat16", "amx"), ("bfloat16", "avx512_bf16"),
                                    ("float16", "none"))}
-    assert bars == {("float32", "avx2"): MIN_GAIN_ROWS["float32"], ("bfloat16", "amx"): MIN_GAIN_ROWS["bfloat16/amx"],
-                    ("bfloat16", "avx512_bf16"): MIN_GAIN_ROWS_OTHER, ("float16", "none"): MIN_GAIN_ROWS_OTHER}
+    rows_bar = TUNING.min_gain_rows
+    other = TUNING.min_gain_rows_other
+    assert bars == {("float32", "avx2"): rows_bar["float32"], ("bfloat16", "amx"): rows_bar["bfloat16/amx"],
+                    ("bfloat16", "avx512_bf16"): other, ("float16", "none"): other}
 
 
 def test_bad_settings_are_refused_by_name(tmp_path: Path) -> None:

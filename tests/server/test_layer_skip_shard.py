@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from text_generation_server.engine.batch import CausalLMBatch
+from text_generation_server.engine.causal_lm import CausalLM
+from text_generation_server.engine.skip_planner import LayerSkipConfig, SkipPlanner
 from text_generation_server.layerskip import (
     IdentityMap,
     Policy,
@@ -21,11 +24,8 @@ from text_generation_server.layerskip import (
     find_decoder_layers,
     save_policy,
 )
-from text_generation_server.models.batch import CausalLMBatch
-from text_generation_server.models.causal_lm import CausalLM
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
-from text_generation_server.models.runner import build_runner
-from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner
+from text_generation_server.models.runner import ForwardInputs, build_runner
 from text_generation_server.pb import generate_pb2
 
 from factories import decode_in_process, make_batch, make_request
@@ -168,13 +168,10 @@ def test_graceful_bypass_adds_the_policy_biases(model_path: Path, hf_model: torc
     lm = make_lm(model_path, hf_model, "lossy", policy)
     assert set(lm.planner.biases) == SIX_LAYERS
     ids = lm.tokenizer(LONG_PROMPT)["input_ids"]
-    n = len(ids)
-    shard_logits = lm.runner.forward(torch.tensor([ids]), torch.arange(n)[None], torch.ones((1, n), dtype=torch.long),
-                                     lm.runner.new_cache(1), skip_layers=SIX_LAYERS,
-                                     bypass_biases=lm.planner.biases)[0, -1]
+    inputs = ForwardInputs.contiguous(torch.tensor([ids]))
+    shard_logits = lm.runner.bypassing(SIX_LAYERS, lm.planner.biases).forward(inputs, lm.runner.new_cache(1))[0, -1]
     with torch.no_grad(), bypassed(find_decoder_layers(hf_model).modules, SIX_LAYERS, biases):
         reference = hf_model(input_ids=torch.tensor([ids])).logits[0, -1]
-    strict = lm.runner.forward(torch.tensor([ids]), torch.arange(n)[None], torch.ones((1, n), dtype=torch.long),
-                               lm.runner.new_cache(1), skip_layers=SIX_LAYERS)[0, -1]
+    strict = lm.runner.bypassing(SIX_LAYERS).forward(inputs, lm.runner.new_cache(1))[0, -1]
     torch.testing.assert_close(shard_logits, reference.float(), atol=1e-4, rtol=1e-4)
     assert float((shard_logits - strict).abs().max()) > 1e-2  # the biases really were added

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from text_generation_server.models.batch import CausalLMBatch
-from text_generation_server.models.causal_lm import CausalLM
+from text_generation_server.engine.batch import CausalLMBatch
+from text_generation_server.engine.causal_lm import CausalLM
+from text_generation_server.engine.skip_planner import LayerSkipConfig, SkipPlanner
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
 from text_generation_server.models.runner import build_runner
-from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner
 from text_generation_server.pb import generate_pb2
 from text_generation_server.sampling import NextTokenChooser, SamplingParams
 from text_generation_server.stopping import FinishReason, StoppingCriteria

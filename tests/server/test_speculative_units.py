@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from text_generation_server.models.speculative import CostModel, SpecState
-from text_generation_server.sampling import NextTokenChooser, Proposal, SamplingParams, accept, draft_token
+from text_generation_server.sampling import NextTokenChooser, SamplingParams
+from text_generation_server.speculative.accept import Proposal, accept, draft_token
+from text_generation_server.speculative.state import CostModel, SpecState
 
 # Critical value of the chi-square distribution with 5 degrees of freedom at p = 0.001.
 CHI2_DF5_P001 = 20.515

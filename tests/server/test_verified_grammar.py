@@ -13,12 +13,12 @@ import jsonschema
 import pytest
 from test_layer_skip_shard import make_lm
 
-from text_generation_server.models.batch import CausalLMBatch
-from text_generation_server.models.causal_lm import CausalLM
+from text_generation_server.engine.batch import CausalLMBatch
+from text_generation_server.engine.causal_lm import CausalLM
 from text_generation_server.models.loading import LoadConfig, load_model
-from text_generation_server.models.speculative import CostModel
 from text_generation_server.pb import generate_pb2
 from text_generation_server.sampling import ChoiceContext
+from text_generation_server.speculative.state import CostModel
 
 from factories import PERSON, PHONE, decode_in_process, make_batch, make_request
 from policies import SIX_LAYERS, write_policy
@@ -53,7 +53,7 @@ def pair(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Ca
     verified.auto_off = False  # every decode step is a draft-verify cycle
     # A fixed cost model where drafting pays (drafts grow to several tokens), instead of measuring
     # one at first use: only the draft length depends on it, never the tokens.
-    verified.cost_model = CostModel.flat(step_s=0.030, verify_s=(0.030, 0.033, 0.036, 0.039, 0.042, 0.045, 0.048),
+    verified.costs.model = CostModel.flat(step_s=0.030, verify_s=(0.030, 0.033, 0.036, 0.039, 0.042, 0.045, 0.048),
                                          layer_s=0.001)
     return off, verified
 

@@ -17,12 +17,14 @@ import pytest
 import torch
 from test_layer_skip_shard import make_lm, run
 
+from text_generation_server.engine.batch import CausalLMBatch
+from text_generation_server.engine.causal_lm import CausalLM
 from text_generation_server.layerskip import DraftSettings
-from text_generation_server.models.batch import CausalLMBatch
-from text_generation_server.models.causal_lm import CausalLM
 from text_generation_server.models.loading import LoadConfig, load_model
+from text_generation_server.models.runner.base import ForwardInputs
 from text_generation_server.models.runner.kv_cache import KVCache
-from text_generation_server.models.speculative import MAX_DRAFT, MIN_CYCLES_BEFORE_AUTO_OFF, CostModel
+from text_generation_server.speculative.cost_model import MAX_DRAFT, CostModel
+from text_generation_server.speculative.tuning import DraftTuning
 
 from factories import decode_in_process, make_batch, make_request
 from policies import SIX_LAYERS, write_policy
@@ -36,8 +38,7 @@ def divergence(lm: CausalLM, prompt: str, expected: list[int], got: list[int]) -
     position = next(i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b)
     ids = lm.tokenizer(prompt)["input_ids"] + expected[:position]
     cache = lm.runner.new_cache(1)
-    logits = lm.runner.forward(torch.tensor([ids]), torch.arange(len(ids))[None], torch.ones((1, len(ids)),
-                               dtype=torch.long), cache)[0, -1]
+    logits = lm.runner.forward(ForwardInputs.contiguous(torch.tensor([ids])), cache)[0, -1]
     top = torch.topk(logits, 2).values
     margin = float(top[0] - top[1])
     return (f"first divergence at token {position}: off {expected[position]}, verified {got[position]}, "
@@ -50,14 +51,11 @@ def multi_token_discrepancy(lm: CausalLM, prompt: str, k: int = 5) -> float:
     ids = lm.tokenizer(prompt)["input_ids"]
     n = len(ids)
     cache = lm.runner.new_cache(1)
-    lm.runner.forward(torch.tensor([ids[: n - k]]), torch.arange(n - k)[None], torch.ones((1, n - k),
-                      dtype=torch.long), cache)
+    lm.runner.forward(ForwardInputs.contiguous(torch.tensor([ids[: n - k]])), cache)
     start = cache.length
-    multi = lm.runner.forward(torch.tensor([ids[n - k:]]), torch.arange(n - k, n)[None],
-                              torch.ones((1, n), dtype=torch.long), cache, last_only=False)[0]
+    multi = lm.runner.forward(ForwardInputs.contiguous(torch.tensor([ids[n - k:]]), n - k, last_only=False), cache)[0]
     cache.crop(start)
-    single = torch.stack([lm.runner.forward(torch.tensor([[ids[j]]]), torch.tensor([[j]]),
-                                            torch.ones((1, j + 1), dtype=torch.long), cache)[0, -1]
+    single = torch.stack([lm.runner.forward(ForwardInputs.contiguous(torch.tensor([[ids[j]]]), j), cache)[0, -1]
                           for j in range(n - k, n)])
     return float((multi - single).abs().max())
 
@@ -190,8 +188,7 @@ def test_cache_holds_exactly_the_accepted_tokens(fp32: Pair) -> None:
         ids = state.all_ids[:-1]  # the last token is pending, not yet in the cache
         assert len(columns) == len(ids)
         reference = KVCache(1, 30)
-        fp32.off.runner.forward(torch.tensor([ids]), torch.arange(len(ids))[None],
-                                torch.ones((1, len(ids)), dtype=torch.long), reference)
+        fp32.off.runner.forward(ForwardInputs.contiguous(torch.tensor([ids])), reference)
         for layer in (0, 4, 29):
             keys, _ = group.cache.layer(layer)  # type: ignore[misc]
             ref_keys, _ = reference.layer(layer)  # type: ignore[misc]
@@ -202,7 +199,7 @@ def test_no_drafting_when_the_cost_model_says_it_cannot_pay(fp32: Pair) -> None:
     """A draft that costs a full step never pays: verified requests decode plainly from the start
     (the cost model decides before any cycle), and their output is unchanged."""
     lm = make_lm(fp32.model_path, fp32.model, "verified", fp32.policy)  # auto_off on (the default)
-    lm.cost_model = CostModel.flat(step_s=1.0, verify_s=(1.0,) * (MAX_DRAFT + 1), layer_s=0.0)
+    lm.costs.model = CostModel.flat(step_s=1.0, verify_s=(1.0,) * (MAX_DRAFT + 1), layer_s=0.0)
     ids = [i for i, (name, _) in enumerate(ALL) if name == "chat"][:2]
     tokens, _, _, reports = run(lm, [make_request(i, fp32.prompts[i], NEW_TOKENS) for i in ids])
     for i in ids:
@@ -223,12 +220,12 @@ def test_drafting_that_does_not_pay_stops(fp32: Pair, tmp_path: Path) -> None:
     lm.controller.ngram = False  # model drafts only: copied drafts would take most cycles
     # a draft costs 0.5 steps and verification one step: the two rows' group (MIN_GAIN_ROWS, 1.15x)
     # drafts only above acceptance ~0.76
-    lm.cost_model = CostModel.flat(step_s=1.0, verify_s=(1.0,) * (MAX_DRAFT + 1), layer_s=0.5 / len(SIX_LAYERS))
+    lm.costs.model = CostModel.flat(step_s=1.0, verify_s=(1.0,) * (MAX_DRAFT + 1), layer_s=0.5 / len(SIX_LAYERS))
     ids = [i for i, (name, _) in enumerate(ALL) if name == "chat"][:2]
     tokens, _, _, reports = run(lm, [make_request(i, fp32.prompts[i], NEW_TOKENS) for i in ids])
     for i in ids:
         stats = reports[i].stats  # type: ignore[attr-defined]
-        assert 1 <= stats["cycles"] <= MIN_CYCLES_BEFORE_AUTO_OFF, stats
+        assert 1 <= stats["cycles"] <= DraftTuning().min_cycles_before_auto_off, stats
         assert stats["model_accepted"] / stats["model_drafted"] < 0.9
         assert tokens[i] == fp32.expected[i]
 

@@ -26,16 +26,16 @@ import pytest
 import torch
 
 from text_generation_server.download import download_weights
+from text_generation_server.engine.batch import CausalLMBatch
+from text_generation_server.engine.causal_lm import CausalLM
+from text_generation_server.engine.skip_planner import LayerSkipConfig, SkipPlanner
 from text_generation_server.layerskip_cli.prompt_classes import build
 from text_generation_server.layerskip_cli.prompts import _parse_line
-from text_generation_server.models.batch import CausalLMBatch
-from text_generation_server.models.causal_lm import CausalLM
-from text_generation_server.models.draft_control import SpeculateConfig
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
 from text_generation_server.models.runner import build_runner
 from text_generation_server.models.shipped_policies import find_shipped_policy
-from text_generation_server.models.skip_planner import LayerSkipConfig, SkipPlanner
 from text_generation_server.pb import generate_pb2
+from text_generation_server.speculative.controller import SpeculateConfig
 
 from factories import decode_in_process, make_batch, make_request
 

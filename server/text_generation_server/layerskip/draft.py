@@ -7,7 +7,7 @@ models the 151936-word head is 27% (0.5B) / 13% (1.5B) of the weight bytes a ste
 draft that keeps the full head stays expensive however many layers it skips. The reduced head
 is lossless for the same reason skipped layers are: verification runs the full model with the
 full head, so a token outside the subset is simply never proposed, and every emitted token is
-the full model's own choice (greedy, or its draw under the request's seed: sampling/speculative.py).
+the full model's own choice (greedy, or its draw under the request's seed: speculative/accept.py).
 
 Vocabulary selection: `layerskip calibrate --objective verified` counts the tokens of the
 calibration text (the prompts and the full model's greedy continuations) and ranks them by

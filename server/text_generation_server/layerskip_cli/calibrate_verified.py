@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from text_generation_server.layerskip import LayerSkipMode, save_policy
-from text_generation_server.models.cost_model import CostModel
+from text_generation_server.speculative.cost_model import CostModel
 
 from .engine import NO_SKIP, Engine
 from .output import note, progress, read_csv, write_json

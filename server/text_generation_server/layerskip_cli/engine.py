@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from text_generation_server.layerskip import IdentityMap, bypassed, find_decoder_layers
+from text_generation_server.models.runner.base import ForwardInputs
 
 Skip = frozenset[int]
 NO_SKIP: Skip = frozenset()
@@ -96,9 +97,8 @@ class Engine:
         """[seq, vocab] float32 logits of every position of `ids` [seq], no cache."""
         with torch.inference_mode():
             if self.runner is not None:
-                n = ids.shape[0]
-                out = self.runner.forward(ids[None], torch.arange(n)[None], torch.ones(1, n, dtype=torch.long),
-                                          self.runner.new_cache(1), last_only=False, skip_layers=skip)
+                out = self.runner.bypassing(skip).forward(ForwardInputs.contiguous(ids[None], last_only=False),
+                                                          self.runner.new_cache(1))
                 return out[0].float()
             with self._bypass(skip):
                 return self.model(input_ids=ids[None], use_cache=False).logits[0].float()
@@ -124,9 +124,8 @@ class Engine:
             cache = self.runner.new_cache(1)
 
             def run(new: torch.Tensor, start: int) -> torch.Tensor:
-                n = new.shape[0]
-                return self.runner.forward(new[None], torch.arange(start, start + n)[None],  # type: ignore[union-attr]
-                                           torch.ones(1, start + n, dtype=torch.long), cache, skip_layers=skip)[0, -1]
+                model = self.runner.bypassing(skip)  # type: ignore[union-attr]
+                return model.forward(ForwardInputs.contiguous(new[None], start), cache)[0, -1]
         else:
             from transformers import DynamicCache
             past = DynamicCache(config=self.model.config)
@@ -152,13 +151,14 @@ class Engine:
         runner = self.runner
         cache = runner.new_cache(1)
         n = int(ids.shape[0])
-        runner.forward(ids[None], torch.arange(n)[None], torch.ones(1, n, dtype=torch.long), cache, skip_layers=skip)
-        token, position, mask = ids[-1:][None], torch.tensor([[n]]), torch.ones(1, n + 1, dtype=torch.long)
+        model = runner.bypassing(skip)
+        model.forward(ForwardInputs.contiguous(ids[None]), cache)
+        step = ForwardInputs.contiguous(ids[-1:][None], n)
 
         def timed() -> float:
             cache.length = n  # overwrite the same cache column every time
             start = time.perf_counter()
-            runner.forward(token, position, mask, cache, skip_layers=skip)
+            model.forward(step, cache)
             return (time.perf_counter() - start) * 1e3
         return timed
 

@@ -1,7 +1,7 @@
 """`layerskip calibrate --objective verified`: the skip set and draft head size that pay, per prompt class.
 
 Design note. Verified mode is lossless, so its policy is chosen by speed alone, and speed is
-arithmetic on acceptance (which is not noisy) and the cost model (models/cost_model.py):
+arithmetic on acceptance (which is not noisy) and the cost model (speculative/cost_model.py):
 1. per prompt, greedy decoding with the full model; at every position each candidate skip set
    runs one draft forward from the full model's cache (exactly what a cycle's first draft sees),
    and its top candidates are kept. A draft over the first V ranked ids is accepted when its
@@ -45,9 +45,10 @@ from text_generation_server.layerskip import (
     detect,
 )
 from text_generation_server.layerskip.detector import FEATURES
-from text_generation_server.models.cost_model import CostModel
-from text_generation_server.models.draft_head import DraftHeads
-from text_generation_server.models.ngram import NgramIndex, agreeing
+from text_generation_server.models.runner.base import ForwardInputs
+from text_generation_server.speculative.cost_model import CostModel
+from text_generation_server.speculative.draft_head import DraftHeads
+from text_generation_server.speculative.ngram import NgramIndex, agreeing
 
 from .engine import Engine
 from .output import progress, spearman
@@ -93,18 +94,17 @@ def run_prompt(engine: Engine, prompt: Prompt, skip_sets: Sequence[frozenset[int
     ids = prompt.render(engine.tokenizer)
     n = int(ids.shape[0])
     cache = runner.new_cache(1)
-    logits = runner.forward(ids[None], torch.arange(n)[None], torch.ones((1, n), dtype=torch.long), cache)[0, -1]
+    logits = runner.forward(ForwardInputs.contiguous(ids[None]), cache)[0, -1]
     tokens = [int(logits.argmax())]
     per_set: list[list[torch.Tensor]] = [[] for _ in skip_sets]
     while len(tokens) < new_tokens and tokens[-1] not in engine.eos_ids:
         length = cache.length
-        position, mask = torch.tensor([[length]]), torch.ones((1, length + 1), dtype=torch.long)
-        token = torch.tensor([[tokens[-1]]])
+        step = ForwardInputs.contiguous(torch.tensor([[tokens[-1]]]), length)
         for i, skip in enumerate(skip_sets):
-            draft = runner.forward(token, position, mask, cache, skip_layers=skip, draft=True)[0, -1]
+            draft = runner.draft_model(skip).forward(step, cache)[0, -1]
             per_set[i].append(draft.topk(TOP).indices)
             cache.crop(length)
-        logits = runner.forward(token, position, mask, cache)[0, -1]
+        logits = runner.forward(step, cache)[0, -1]
         tokens.append(int(logits.argmax()))
     run = PromptRun(prompt, detect(engine.embed(ids), engine_detector()).as_dict(), tokens,
                     [torch.stack(c) if c else torch.zeros((0, TOP), dtype=torch.long) for c in per_set],

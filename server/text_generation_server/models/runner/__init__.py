@@ -13,7 +13,7 @@ from typing import Any
 from loguru import logger
 
 from . import cpu_kernels
-from .base import Runner
+from .base import ForwardInputs, LayerPath, Model, Runner
 from .fast_llama import FastLlamaRunner, FastRunnerConfig
 from .fast_weights import FAST_MODEL_TYPES, unsupported_reason
 from .kv_cache import KVCache
@@ -21,7 +21,8 @@ from .transformers_runner import TransformersRunner
 
 RUNNER_KINDS = ("auto", "fast", "transformers")
 
-__all__ = ["FAST_MODEL_TYPES", "RUNNER_KINDS", "FastLlamaRunner", "FastRunnerConfig", "KVCache", "Runner",
+__all__ = ["FAST_MODEL_TYPES", "RUNNER_KINDS", "FastLlamaRunner", "FastRunnerConfig", "ForwardInputs", "KVCache",
+           "LayerPath", "Model", "Runner",
            "TransformersRunner", "build_runner", "cpu_kernels"]
 
 

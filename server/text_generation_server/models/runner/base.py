@@ -1,12 +1,16 @@
 """The runner interface: one forward pass of a decoder-only model over a left-padded batch.
 
 Every runner (the fast Llama/Gemma runner, the transformers fallback) takes the same inputs
-and updates the same `KVCache`, so that the batch code never knows which one runs.
+and updates the same `KVCache`, so that the batch code never knows which one runs. A runner
+is the full model; a lossy plan's bypass (`bypassing`) and a verified-mode draft model
+(`draft_model`) are views of it with the same `forward(inputs, cache)`.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -14,7 +18,62 @@ import torch
 from .kv_cache import KVCache
 
 
-class Runner(Protocol):
+@dataclass(frozen=True)
+class ForwardInputs:
+    """The new tokens of one forward over a left-padded batch.
+
+    Attributes:
+        input_ids / position_ids: `[rows, new]` int64.
+        attention_mask: `[rows, cache.length + new]`; 1 = real token, 0 = padding.
+        last_only: logits of the last position only (`[rows, 1, vocab]`), else of every new
+            position (`[rows, new, vocab]`).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    last_only: bool = True
+
+    @classmethod
+    def contiguous(cls, ids: torch.Tensor, start: int = 0, last_only: bool = True) -> ForwardInputs:
+        """`ids [rows, new]` at positions start.. after `start` cached tokens, none of them padding."""
+        rows, new = ids.shape
+        return cls(ids, torch.arange(start, start + new).repeat(rows, 1),
+                   torch.ones((rows, start + new), dtype=torch.long), last_only)
+
+
+@dataclass(frozen=True)
+class LayerPath:
+    """What a forward runs: the layers it bypasses and the head it ends with.
+
+    Attributes:
+        skip: decoder layer indices bypassed (their cache entries stay None).
+        biases: graceful bypass: a skipped layer with an entry adds it (`[hidden]`, the layer's
+            mean residual update) instead of passing the hidden state through.
+        head: `[n, hidden]` rows of the lm_head computed instead of the whole head (a draft's
+            reduced vocabulary); the logits then have n columns.
+        draft: a draft model's forward: a runner that keeps cheaper draft weights (the fast
+            runner's int8 copy of a dense model's layers and heads) runs on them.
+    """
+
+    skip: frozenset[int] = frozenset()
+    biases: Mapping[int, torch.Tensor] | None = None
+    head: torch.Tensor | None = None
+    draft: bool = False
+
+
+FULL = LayerPath()
+
+
+class Model(Protocol):
+    """Anything with a forward: a runner (the full model) or a view of it."""
+
+    def forward(self, inputs: ForwardInputs, cache: KVCache) -> torch.Tensor:
+        """Run the new tokens, append their keys/values to `cache` and advance it; float32 logits."""
+        ...
+
+
+class Runner(ABC):
     """A model forward over a left-padded batch with a dense KV cache."""
 
     name: str  # reported in Info and logs, e.g. "fast-llama" or "transformers"
@@ -24,35 +83,35 @@ class Runner(Protocol):
     dtype: torch.dtype
     device: torch.device
 
+    @abstractmethod
     def new_cache(self, num_rows: int) -> KVCache:
         """An empty cache for num_rows rows."""
-        ...
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [rows, new] int64
-        position_ids: torch.Tensor,  # [rows, new] int64
-        attention_mask: torch.Tensor,  # [rows, cache.length + new]; 1 = real token, 0 = padding
-        cache: KVCache,
-        last_only: bool = True,
-        skip_layers: frozenset[int] = frozenset(),
-        bypass_biases: Mapping[int, torch.Tensor] | None = None,
-        head: torch.Tensor | None = None,
-        draft: bool = False,
-    ) -> torch.Tensor:
-        """Run the new tokens, append their keys/values to `cache` and advance it.
+    @abstractmethod
+    def run(self, inputs: ForwardInputs, cache: KVCache, path: LayerPath) -> torch.Tensor:
+        """`forward` along `path` (the views call it)."""
 
-        Args:
-            last_only: return logits of the last position only (`[rows, 1, vocab]`), else of
-                every new position (`[rows, new, vocab]`).
-            skip_layers: decoder layer indices to bypass (their cache entries stay None).
-            bypass_biases: graceful bypass: a skipped layer with an entry adds it (`[hidden]`,
-                the layer's mean residual update) instead of passing the hidden state through.
-            head: `[n, hidden]` rows of the lm_head to compute instead of the whole head (a
-                verified-mode draft's reduced vocabulary); the logits then have n columns.
-            draft: a verified-mode draft forward: a runner that keeps cheaper draft weights (the
-                fast runner's int8 copy of a dense model's layers and draft head) runs on them.
-        Returns:
-            float32 logits.
-        """
-        ...
+    def forward(self, inputs: ForwardInputs, cache: KVCache) -> torch.Tensor:
+        """The full model's forward (see Model.forward)."""
+        return self.run(inputs, cache, FULL)
+
+    def bypassing(self, skip: frozenset[int], biases: Mapping[int, torch.Tensor] | None = None) -> Model:
+        """The model with `skip` bypassed (a lossy plan); itself when nothing is skipped."""
+        return self if not skip else RunnerView(self, LayerPath(skip, biases))
+
+    def draft_model(self, skip: frozenset[int], head: torch.Tensor | None = None,
+                    biases: Mapping[int, torch.Tensor] | None = None) -> Model:
+        """The draft model of a verified-mode cycle: `skip` bypassed, `head` (rows of the lm_head)
+        as its head, on the runner's draft weights where it keeps any."""
+        return RunnerView(self, LayerPath(skip, biases, head, draft=True))
+
+
+@dataclass(frozen=True)
+class RunnerView:
+    """A runner along one path (Runner.bypassing, Runner.draft_model)."""
+
+    runner: Runner
+    path: LayerPath
+
+    def forward(self, inputs: ForwardInputs, cache: KVCache) -> torch.Tensor:
+        return self.runner.run(inputs, cache, self.path)

@@ -37,13 +37,13 @@ import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from loguru import logger
 
 from ...env import process_env
 from . import kernel_build, kernel_choice
+from .kernel_api import CpuOps
 
 SOURCE = kernel_build.BINDINGS
 ENV_SWITCH = "TGI_CPU_KERNELS"  # "auto" (default), "off", or a variant name (env.KernelEnv.switch)
@@ -77,65 +77,6 @@ VARIANTS = (  # best first
     Variant("avx2", _AVX2),
 )
 BY_NAME = {variant.name: variant for variant in VARIANTS}
-
-
-class Projection(Protocol):
-    """A weight in one of the kernels' formats with its bias (cpu_kernels.cpp: Projection)."""
-
-    n: int
-    k: int
-    nbytes: int  # what one product reads: weights (codes), scales or absmax blocks, bias
-
-    def __call__(self, x: torch.Tensor, /, exact: bool = False) -> torch.Tensor:
-        """x `[m, k]` -> `[m, n]` (1..16 rows on the kernels; more in chunks of 16 on the kernels
-        for quantized weights, dense ones up to 64 fp32 / 32 bf16 rows or any number with `exact`,
-        else on torch's GEMM)."""
-
-
-class ProjectionFactory(Protocol):
-    def dense(self, weight: torch.Tensor, bias: torch.Tensor | None, /) -> Projection: ...
-
-    def four_bit(self, codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, blocksize: int, n: int, k: int,
-                 bias: torch.Tensor | None, /) -> Projection: ...
-
-    def int8(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, threshold: float,
-             /) -> Projection: ...
-
-    def int8_weights(self, codes: torch.Tensor, scales: torch.Tensor, blocksize: int, bias: torch.Tensor | None,
-                     /) -> Projection: ...
-
-
-_Projection = Projection  # the Protocol below has a member of that name
-
-
-class CpuOps(Protocol):
-    """The compiled module's functions (float32 and bfloat16; errors name the bad argument)."""
-
-    max_rows: int
-    variant: str
-    Projection: ProjectionFactory
-
-    def small_m_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, /) -> torch.Tensor:
-        """`x [m, k] @ weight[n, k].T (+ bias)` for 1 <= m <= max_rows, both contiguous."""
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, /) -> torch.Tensor:
-        """transformers' RMSNorm over the last dimension of a contiguous x."""
-
-    def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                         scale: float, /) -> torch.Tensor:
-        """q `[rows, new, heads, dim]` against keys/values `[rows, kv, total, dim]` -> `[rows, new, heads * dim]`."""
-
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, /) -> torch.Tensor:
-        """rope.apply_rope of x `[rows, new, heads, dim]` (a view is fine), returned contiguous."""
-
-    def silu_mul(self, gate_up: torch.Tensor, /) -> torch.Tensor:
-        """silu(gate) * up of a contiguous fused `[..., 2 * inner]` gate/up output."""
-
-    def decode_layer(self, h: torch.Tensor, in_norm: torch.Tensor, qkv: _Projection, o_proj: _Projection,
-                     mlp_norm: torch.Tensor, gate_up: _Projection, down: _Projection, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, length: int, cos: torch.Tensor, sin_signed: torch.Tensor,
-                     mask: torch.Tensor, heads: int, kv_heads: int, eps: float, scale: float, /) -> torch.Tensor:
-        """A Llama-family decoder layer for h `[rows, new, hidden]`; writes cache columns `length` on."""
 
 
 def cpu_flags() -> set[str]:

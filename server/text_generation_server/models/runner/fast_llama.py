@@ -32,7 +32,7 @@ because their sizes grow every step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -42,7 +42,10 @@ from loguru import logger
 
 from ...env import process_env
 from . import cpu_kernels
+from .base import ForwardInputs, LayerPath, Runner
 from .fast_weights import ArchSpec, LayerWeights, Projection, norm_weight, read_layer, read_spec, rope_sources
+from .kernel_api import CpuOps
+from .kernel_api import Projection as KernelProjection
 from .kernel_weights import kernel_layer, log_refusals, weight_kind
 from .kv_cache import KVCache
 from .rope import RopeTable, apply_rope
@@ -100,10 +103,10 @@ class Dims:
     head_dim: int
     eps: float
     gelu: bool
-    ops: cpu_kernels.CpuOps | None = None
+    ops: CpuOps | None = None
 
 
-def linear(x: torch.Tensor, weight: Projection | cpu_kernels.Projection, bias: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: Projection | KernelProjection, bias: torch.Tensor | None,
            dims: Dims, exact: bool = False) -> torch.Tensor:
     """x `[rows, new, k]` @ weight. `exact` (decode steps and verifications, whatever the batch):
     dense products of any row count take the kernels in chunks, so a row's result is the one-row
@@ -199,11 +202,11 @@ class FusedLayer(NamedTuple):
     """A Llama-family layer in cpu_kernels' decode_layer argument order (kernels' Projections)."""
 
     in_norm: torch.Tensor
-    qkv: cpu_kernels.Projection
-    o_proj: cpu_kernels.Projection
+    qkv: KernelProjection
+    o_proj: KernelProjection
     mlp_norm: torch.Tensor
-    gate_up: cpu_kernels.Projection
-    down: cpu_kernels.Projection
+    gate_up: KernelProjection
+    down: KernelProjection
 
     @classmethod
     def of(cls, layer: LayerWeights) -> FusedLayer | None:
@@ -237,7 +240,7 @@ def additive_mask(attention_mask: torch.Tensor, new: int, window: int | None, dt
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-class FastLlamaRunner:
+class FastLlamaRunner(Runner):
     """Runner for Llama-family and Gemma 3 models (see module docstring)."""
 
     def __init__(self, model: Any, config: FastRunnerConfig = FastRunnerConfig()) -> None:
@@ -273,8 +276,8 @@ class FastLlamaRunner:
                        and all(f is not None for f in self._fused_layers))
         self.draft_weights = "int8" if int8_drafts else "model"
         self._dense_layers = dense_layers if int8_drafts else None  # quantized at the first draft
-        self._draft_layers: tuple[cpu_kernels.CpuOps, list[FusedLayer]] | None = None
-        self._draft_heads: dict[tuple[int, int], tuple[torch.Tensor, cpu_kernels.Projection]] = {}
+        self._draft_layers: tuple[CpuOps, list[FusedLayer]] | None = None
+        self._draft_heads: dict[tuple[int, int], tuple[torch.Tensor, KernelProjection]] = {}
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
         self.lm_head = model.lm_head.weight.detach().to(self.dtype)  # tied: the same tensor as embed
         quantized = kind in ("4bit", "4bit-bfloat16", "int8") and process_env().kernels.quantized_head == "int8"
@@ -307,18 +310,8 @@ class FastLlamaRunner:
         return KVCache(num_rows=num_rows, num_layers=self.num_layers)
 
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [rows, new]
-        position_ids: torch.Tensor,  # [rows, new]
-        attention_mask: torch.Tensor,  # [rows, cache.length + new]
-        cache: KVCache,
-        last_only: bool = True,
-        skip_layers: frozenset[int] = frozenset(),
-        bypass_biases: Mapping[int, torch.Tensor] | None = None,
-        head: torch.Tensor | None = None,
-        draft: bool = False,
-    ) -> torch.Tensor:
+    def run(self, inputs: ForwardInputs, cache: KVCache, path: LayerPath) -> torch.Tensor:
+        input_ids, position_ids, attention_mask = inputs.input_ids, inputs.position_ids, inputs.attention_mask
         rows, new = input_ids.shape
         expected = (rows, cache.length + new)
         assert attention_mask.shape == expected, f"attention_mask {tuple(attention_mask.shape)} != {expected}"
@@ -332,16 +325,16 @@ class FastLlamaRunner:
         # A decode step or a verification (new tokens after a cache): products exact whatever the batch.
         exact = cache.length > 0 and new <= cpu_kernels.MAX_ROWS
         for i, layer in enumerate(self.layers):
-            if i in skip_layers:  # bypass: the hidden state passes through, no cache for it
-                if bypass_biases and i in bypass_biases:  # graceful: add the mean residual update
-                    h = h + bypass_biases[i].to(h.dtype)
+            if i in path.skip:  # bypass: the hidden state passes through, no cache for it
+                if path.biases and i in path.biases:  # graceful: add the mean residual update
+                    h = h + path.biases[i].to(h.dtype)
                 continue
             cos, sin = ropes[self.spec.rope_keys[i]]
-            h = self._layer(i, layer, h, cos, sin, masks[self.spec.sliding_windows[i]], cache, draft, exact)
+            h = self._layer(i, layer, h, cos, sin, masks[self.spec.sliding_windows[i]], cache, path.draft, exact)
         cache.advance(new)
-        if last_only:
+        if inputs.last_only:
             h = h[:, -1:]
-        return self._logits(h, head, draft, exact)
+        return self._logits(h, path.head, path.draft, exact)
 
     def _layer(self, index: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor, cache: KVCache, draft: bool = False, exact: bool = False) -> torch.Tensor:
@@ -368,7 +361,7 @@ class FastLlamaRunner:
             attn = attn.transpose(1, 2).reshape(rows, new, -1)  # [rows, new, heads * head_dim]
         return self._post(h, attn, *layer.post, dims, exact)
 
-    def _int8_drafts(self) -> tuple[cpu_kernels.CpuOps, list[FusedLayer]]:
+    def _int8_drafts(self) -> tuple[CpuOps, list[FusedLayer]]:
         """The draft layers: each projection of the dense layers as LLM.int8() codes (per-row absmax
         scales, DRAFT_INT8_THRESHOLD outliers), on the kernels' int8 variant; made once."""
         if self._draft_layers is None:
@@ -386,7 +379,7 @@ class FastLlamaRunner:
                         f"{time.perf_counter() - start:.1f} s; TGI_DRAFT_WEIGHTS=model drafts on the model's weights)")
         return self._draft_layers
 
-    def _int8_head(self, head: torch.Tensor) -> cpu_kernels.Projection:
+    def _int8_head(self, head: torch.Tensor) -> KernelProjection:
         """A draft head (the lm_head or a reduced head's rows) as weight-only int8 in blocks
         (int8_head), made at its first draft and kept with the tensor it was made from (so its
         address is not reused). Not LLM.int8(): the final norm's output has ~150 of the 0.5B's 896
@@ -404,7 +397,7 @@ class FastLlamaRunner:
     def _logits(self, h: torch.Tensor, head: torch.Tensor | None = None, draft: bool = False,
                 exact: bool = False) -> torch.Tensor:
         h = rms_norm(h.contiguous(), self.final_norm, self.dims)
-        # A verified-mode draft may pass a reduced head (rows of lm_head, see draft_head.py).
+        # A verified-mode draft may pass a reduced head (rows of lm_head, see speculative/draft_head.py).
         full = self.head_projection if self.head_projection is not None else self.lm_head
         weights: Any = head if head is not None else full
         # A draft reads a dense head as int8; an lm_head the runner already reads as int8 is reused.
@@ -423,9 +416,8 @@ class FastLlamaRunner:
         for rows in sorted({1, max_rows}):
             cache = self.new_cache(rows)
             ids = torch.zeros((rows, 4), dtype=torch.long)
-            positions = torch.arange(4).repeat(rows, 1)
-            self.forward(ids, positions, torch.ones((rows, 4), dtype=torch.long), cache)
-            self.forward(ids[:, :1], positions[:, -1:] + 1, torch.ones((rows, 5), dtype=torch.long), cache)
+            self.forward(ForwardInputs.contiguous(ids), cache)
+            self.forward(ForwardInputs.contiguous(ids[:, :1], 4), cache)
         seconds = time.perf_counter() - start
         logger.info(f"{self.name} warm-up (compile={self.config.compile}) took {seconds:.1f} s")
         return seconds
@@ -434,7 +426,7 @@ class FastLlamaRunner:
 INT8_HEAD_BLOCK = 64
 
 
-def int8_head(ops: cpu_kernels.CpuOps, weight: torch.Tensor) -> cpu_kernels.Projection:
+def int8_head(ops: CpuOps, weight: torch.Tensor) -> KernelProjection:
     """The lm_head `[vocab, hidden]` as weight-only int8: per block of 64 weights of a row,
     codes round(w * 127 / absmax) and scale absmax / 127."""
     vocab, hidden = weight.shape
@@ -447,7 +439,7 @@ def int8_head(ops: cpu_kernels.CpuOps, weight: torch.Tensor) -> cpu_kernels.Proj
 DRAFT_INT8_THRESHOLD = 6.0  # bitsandbytes' default llm_int8_threshold
 
 
-def int8_projection(ops: cpu_kernels.CpuOps, weight: Any, bias: Any) -> cpu_kernels.Projection:
+def int8_projection(ops: CpuOps, weight: Any, bias: Any) -> KernelProjection:
     """A dense `[n, k]` weight as LLM.int8() codes: per row, round(w * 127 / absmax) and absmax
     (what bitsandbytes' Linear8bitLt stores as CB and SCB)."""
     assert isinstance(weight, torch.Tensor), f"int8 drafts quantize dense weights, got {type(weight).__name__}"

@@ -29,15 +29,13 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from loguru import logger
 
 from . import kernel_build
-
-if TYPE_CHECKING:
-    from .cpu_kernels import CpuOps, Projection
+from .kernel_api import CpuOps, Projection
 
 KINDS = ("float32", "bfloat16", "4bit", "4bit-bfloat16", "int8")  # weight formats of the fast runner's projections
 # (4bit: bitsandbytes 4-bit with an fp32 compute dtype; 4bit-bfloat16: with bf16, which the avx512_bf16 variant

@@ -23,8 +23,8 @@ import torch
 from loguru import logger
 
 from ..loading import dtype_name
-from .cpu_kernels import CpuOps, Projection
 from .fast_weights import LayerWeights
+from .kernel_api import CpuOps, Projection
 
 BNB_4BIT = "Linear4bit"
 BNB_8BIT = "Linear8bitLt"

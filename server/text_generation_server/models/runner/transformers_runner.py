@@ -8,15 +8,14 @@ use that one instead.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .base import ForwardInputs, LayerPath, Runner
 from .kv_cache import KVCache
 
 
-class TransformersRunner:
+class TransformersRunner(Runner):
     """Runs `model(...)` of a transformers causal LM (see module docstring)."""
 
     name = "transformers"
@@ -35,23 +34,13 @@ class TransformersRunner:
         return KVCache(num_rows=num_rows, num_layers=self.num_layers)
 
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        cache: KVCache,
-        last_only: bool = True,
-        skip_layers: frozenset[int] = frozenset(),
-        bypass_biases: Mapping[int, torch.Tensor] | None = None,
-        head: torch.Tensor | None = None,
-        draft: bool = False,  # no draft weights here: a draft runs the model's own
-    ) -> torch.Tensor:
-        if head is not None:
+    def run(self, inputs: ForwardInputs, cache: KVCache, path: LayerPath) -> torch.Tensor:
+        # no draft weights here: a draft runs the model's own
+        if path.head is not None:
             raise ValueError("the transformers fallback runner has no reduced draft head; use the fast runner")
-        if skip_layers:
+        if path.skip:
             raise ValueError(
-                f"the transformers fallback runner cannot skip layers {sorted(skip_layers)}; "
+                f"the transformers fallback runner cannot skip layers {sorted(path.skip)}; "
                 f"use the fast runner (--runner fast) for layer skipping"
             )
         past: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -61,15 +50,15 @@ class TransformersRunner:
             past.append(layer)
         dynamic = DynamicCache(ddp_cache_data=past, config=self.config) if past else DynamicCache(config=self.config)
         out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
             past_key_values=dynamic,
             use_cache=True,
-            logits_to_keep=1 if last_only else 0,
+            logits_to_keep=1 if inputs.last_only else 0,
         )
         start = cache.length
         for i, layer in enumerate(out.past_key_values.layers):
             cache.append(i, layer.keys[:, :, start:], layer.values[:, :, start:])
-        cache.advance(input_ids.shape[1])
+        cache.advance(inputs.input_ids.shape[1])
         return out.logits.float()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .models.batch import CausalLMBatch
+from .batch import CausalLMBatch
 
 
 class Cache:

@@ -15,12 +15,12 @@ the full model's, greedy or sampled with a seed (up to floating-point near-ties 
 one-token and the (k+1)-token forward). Rows accept different numbers of tokens, so a row's real tokens need
 not be contiguous; positions come from the mask, so attention and RoPE stay exact.
 Where each step lives: 1 and 4 are token choice (`draft_token`, `accept` in
-sampling/speculative.py); 2, 3 and the forwards of 1 run in group_step.py; 5 is
+accept.py); 2, 3 and the forwards of 1 run in engine/group_step.py; 5 is
 `PlanGroup.accept_drafts`. This module keeps the drafters' state and statistics.
 
-Drafts come from two drafters in the same loop (draft_control.py decides per cycle): n-gram
+Drafts come from two drafters in the same loop (controller.py decides per cycle): n-gram
 (prompt-lookup) drafts copied from the context, free to make (ngram.py), and layer-skip drafts
-from the draft model (skipped layers + an optional reduced head, draft_head.py, read as int8 on
+from the draft model (`Runner.draft_model`: skipped layers + an optional reduced head, draft_head.py, read as int8 on
 a dense model: FastRunnerConfig.draft_weights). Adaptivity
 (draft length, per-rule switch-off, per-request auto-off) is arithmetic on the measured cost
 model (cost_model.py) and the measured acceptance.
@@ -38,14 +38,15 @@ output equals `off`'s.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from ..sampling import NextTokenChooser
 from .cost_model import MAX_DRAFT, CostModel, tokens_per_cycle
 from .ngram import NgramIndex, Watch
 
 INITIAL_DRAFT = 1  # until acceptance is measured, the cheapest cycle
-MIN_CYCLES_BEFORE_AUTO_OFF = 2
 
-__all__ = ["INITIAL_DRAFT", "MAX_DRAFT", "MIN_CYCLES_BEFORE_AUTO_OFF", "CostModel", "Counts", "SpecState",
+__all__ = ["INITIAL_DRAFT", "MAX_DRAFT", "CostModel", "Counts", "DraftingRow", "SpecState",
            "tokens_per_cycle"]
 
 
@@ -125,3 +126,11 @@ class SpecState:
     def acceptance(self) -> float:
         """Per-draft acceptance of the model drafts, with a uniform prior (Laplace)."""
         return self.model.estimate(0.5)
+
+
+class DraftingRow(Protocol):
+    """What speculation reads of a request (the engine's RequestState)."""
+
+    all_ids: list[int]  # prompt then generated tokens
+    chooser: NextTokenChooser
+    spec: SpecState | None

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from .chooser import NextTokenChooser, SamplingParams, apply_penalties, apply_warpers, position_noise, race
-
-if TYPE_CHECKING:  # the model side imports this package; a runtime import would be circular
-    from ..models.draft_head import DraftHead
+from ..sampling.chooser import NextTokenChooser, SamplingParams, apply_penalties, apply_warpers, position_noise, race
+from .draft_head import DraftHead
 
 
 @dataclass

@@ -20,9 +20,9 @@ from torch import nn
 
 from ..layerskip import LayerSkipMode, Scheduler, SkipPlan
 from ..layerskip.plan import MODES
+from ..models.shipped_policies import AUTO, find_shipped_policy, policy_dir
 from .audit_check import AuditConfig, AuditMonitor
 from .batch import RequestState
-from .shipped_policies import AUTO, find_shipped_policy, policy_dir
 
 DEFAULT_CONSISTENCY_TARGET = 0.9  # when neither a flag nor the policy's calibration gives one
 

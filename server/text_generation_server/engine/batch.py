@@ -13,12 +13,12 @@ from transformers import PreTrainedTokenizerBase
 
 from ..grammar import GrammarKind, GrammarSpec
 from ..layerskip.plan import MODES, SkipPlan
+from ..models.runner.kv_cache import KVCache
 from ..pb import generate_pb2
 from ..sampling import ChoiceContext, NextTokenChooser, SamplingParams
+from ..speculative.state import SpecState
 from ..stopping import StoppingCriteria
 from .plan_groups import GroupKey, PlanGroup
-from .runner.kv_cache import KVCache
-from .speculative import SpecState
 
 NO_SKIP: GroupKey = frozenset()
 

@@ -18,20 +18,20 @@ from ..detokenize import decode_token
 from ..grammar import GrammarCompiler
 from ..grammar_limits import GrammarLimits
 from ..layerskip import LayerSkipMode, SkipPlan
+from ..models.loading import dtype_name
+from ..models.runner.base import Runner
 from ..sampling import top_n_tokens
 from ..sampling.chooser import failure_message
+from ..speculative.controller import DraftController, SpeculateConfig
+from ..speculative.cost_model import DraftKey, LazyCosts
+from ..speculative.draft_head import DraftHeads
+from ..speculative.state import SpecState
 from ..stopping import FinishReason
 from .audit_check import add_twins, compare_twins
 from .batch import NO_SKIP, CausalLMBatch, RequestState
-from .cost_model import CostModel, DraftKey
-from .draft_control import DraftController, SpeculateConfig
-from .draft_head import DraftHeads
 from .group_step import GroupStep, PlainStep, RowStep, VerifiedStep
-from .loading import dtype_name
 from .plan_groups import GroupKey
-from .runner.base import Runner
 from .skip_planner import PolicyState, SkipPlanner
-from .speculative import SpecState
 from .step_timing import Stage, StageClock, StepTimings
 
 
@@ -106,14 +106,17 @@ class CausalLM:
         self.max_position_embeddings = max_position_embeddings
         self.special_ids = frozenset(tokenizer.all_special_ids)
         self.speculation = speculation or SpeculateConfig()
-        self.cost_model: CostModel | None = None
-        self.controller = DraftController(self.costs, self.speculation.max_draft, ngram=True,
-                                          dtype=dtype_name(runner.dtype),
-                                          kernels=runner.cpu_kernels)
         policy = planner.scheduler.policy
         self.heads = DraftHeads(policy.draft_vocab, getattr(runner, "lm_head", None))
         for rule in (*policy.table.rules, policy.table.default):
             self.heads.reserve(rule.draft.vocab)
+        table = policy.table
+        drafts: list[DraftKey] = [(r.skip, r.draft.vocab) for r in (*table.rules, table.default) if r.skip]
+        # the draft/verify cost model of the policy's draft configurations (measured once)
+        self.costs = LazyCosts(runner, drafts, self.heads, max_tokens=4 * (self.speculation.max_draft + 1))
+        self.controller = DraftController(self.costs, self.speculation.max_draft, ngram=True,
+                                          dtype=dtype_name(runner.dtype), kernels=runner.cpu_kernels,
+                                          tuning=self.speculation.tuning)
         self._grammars: GrammarCompiler | None = None
 
     def grammar_compiler(self, limits: GrammarLimits | None = None) -> GrammarCompiler:
@@ -249,16 +252,6 @@ class CausalLM:
             state.finished = True
             out.append(Generation(state.id, TokenInfo(), error=error))
         return out
-
-    def costs(self) -> CostModel:
-        """The draft/verify cost model (measured once, at warmup or on first use), with the draft
-        configurations of the policy's rules measured as they will run."""
-        if self.cost_model is None:
-            table = self.planner.scheduler.policy.table
-            configs: list[DraftKey] = [(r.skip, r.draft.vocab) for r in (*table.rules, table.default) if r.skip]
-            max_tokens = 4 * (self.speculation.max_draft + 1)
-            self.cost_model = CostModel.measure(self.runner, configs, self.heads, max_tokens=max_tokens)
-        return self.cost_model
 
     def request_generation(self, state: RequestState, step: RowStep) -> Generation:
         """Record the step's tokens one by one, detokenizing and checking stopping after each."""

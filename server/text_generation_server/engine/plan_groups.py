@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .runner.kv_cache import KVCache
+from ..models.runner.kv_cache import KVCache
 
 GroupKey = frozenset[int]  # the layers bypassed in every forward of a group
 

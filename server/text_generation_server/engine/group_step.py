@@ -1,5 +1,5 @@
 """One step of one plan group: a plain forward (off, shadow, lossy, and every prefill), or a
-draft-verify cycle (speculating decode: verified mode or --speculate, see speculative.py).
+draft-verify cycle (speculating decode: verified mode or --speculate, see speculative/state.py).
 
 A step runs in two phases, so that CausalLM times them apart: `forward` runs the model (and,
 in a cycle, chooses the drafts between draft forwards, timed as choice), `choose` picks the
@@ -14,13 +14,14 @@ from typing import Protocol
 
 import torch
 
-from ..sampling import Proposal, accept, choose_tokens, copied_drafts, draft_token
+from ..models.runner.base import ForwardInputs, Runner
+from ..sampling import choose_tokens
 from ..sampling.chooser import FAILED_CHOICE, failure_message
+from ..speculative.accept import Proposal, accept, copied_drafts, draft_token
+from ..speculative.controller import CyclePlan
+from ..speculative.draft_head import DraftHead
 from .batch import RequestState
-from .draft_control import CyclePlan
-from .draft_head import DraftHead
 from .plan_groups import PlanGroup
-from .runner.base import Runner
 from .step_timing import Stage, StageClock
 
 
@@ -68,10 +69,8 @@ class PlainStep:
 
     def forward(self, clock: StageClock) -> None:
         all_positions = self.prefill and any(s.prefill_logprobs for s in self.states)
-        input_ids, position_ids, mask = self.group.forward_inputs()
-        self.logits = self.runner.forward(input_ids, position_ids, mask, self.group.cache,
-                                          last_only=not all_positions, skip_layers=self.group.skip,
-                                          bypass_biases=self.biases)
+        inputs = ForwardInputs(*self.group.forward_inputs(), last_only=not all_positions)
+        self.logits = self.runner.bypassing(self.group.skip, self.biases).forward(inputs, self.group.cache)
 
     def choose(self) -> dict[int, RowStep]:
         logits = self.logits
@@ -90,14 +89,13 @@ class PlainStep:
 class VerifiedStep:
     """A draft-verify cycle of a prefilled group: copied drafts where the plan has them, model
     drafts (`cycle.model_k` forwards with the cycle's draft layers bypassed and `head`) for the
-    other drafting rows, then one full forward over every row's drafts (see speculative.py)."""
+    other drafting rows, then one full forward over every row's drafts (see speculative/state.py)."""
 
     def __init__(self, runner: Runner, group: PlanGroup, states: list[RequestState], cycle: CyclePlan,
                  biases: Biases, head: DraftHead | None = None) -> None:
         self.runner, self.group, self.states, self.cycle = runner, group, states, cycle
         self.biases, self.head = biases, head
-        self.proposals = [copied_drafts(ng) if ng else Proposal()
-                          for s, ng in zip(states, cycle.ngram, strict=True)]
+        self.proposals = [copied_drafts(r.copies) if r.copies else Proposal() for r in cycle.rows]
         self.failures: dict[int, str] = {}  # row -> its request's message: it drafts no more, accepts nothing
         self.logits: torch.Tensor | None = None  # [rows, width + 1, vocab] after `forward`
 
@@ -105,8 +103,8 @@ class VerifiedStep:
         if self.cycle.model_k:
             self._model_drafts(clock)
             self.group.discard_drafts()  # no draft hidden state stays in the cache
-        ids, positions, mask = self.group.verify_inputs([p.token_ids for p in self.proposals])
-        self.logits = self.runner.forward(ids, positions, mask, self.group.cache, last_only=False)
+        inputs = ForwardInputs(*self.group.verify_inputs([p.token_ids for p in self.proposals]), last_only=False)
+        self.logits = self.runner.forward(inputs, self.group.cache)
 
     def choose(self) -> dict[int, RowStep]:
         logits = self.logits
@@ -126,15 +124,14 @@ class VerifiedStep:
         (their outputs are ignored), the model rows get the draft model's tokens."""
         group, cycle, head = self.group, self.cycle, self.head
         ids, _, mask = group.forward_inputs()
+        model = self.runner.draft_model(cycle.skip, head.weight if head is not None else None, self.biases)
         for j in range(cycle.model_k):
             positions = (mask.cumsum(1) - 1)[:, -1:]
-            logits = self.runner.forward(ids, positions, mask, group.cache, skip_layers=cycle.skip,
-                                         bypass_biases=self.biases,
-                                         head=head.weight if head is not None else None, draft=True)[:, -1]
+            logits = model.forward(ForwardInputs(ids, positions, mask), group.cache)[:, -1]
             with clock.stage(Stage.CHOOSE):
                 fed = []
                 for row, (s, p) in enumerate(zip(self.states, self.proposals, strict=True)):
-                    if cycle.model_rows[row] and row not in self.failures:
+                    if cycle.rows[row].model and row not in self.failures:
                         fed.append(self._draft(row, s, p, logits[row], head))
                     else:  # a copied or a non-drafting row: keep its tensors in step, its output is unused
                         fed.append(p.token_ids[j] if j < len(p.token_ids) else int(ids[row, -1]))

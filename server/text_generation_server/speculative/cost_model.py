@@ -35,10 +35,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from ..models.runner.base import ForwardInputs, LayerPath, Runner, RunnerView
+from ..models.runner.kv_cache import KVCache
 from ..sampling import NextTokenChooser, SamplingParams
 from .draft_head import DraftHeads
-from .runner.base import Runner
-from .runner.kv_cache import KVCache
 
 MAX_DRAFT = 6  # the largest k without --speculate; Info.speculate reports the limit in force
 TOKEN_LADDER = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 28)  # new tokens per measured forward (one row)
@@ -346,7 +346,7 @@ class _Timer:
             cache = self.caches[rows] = self.runner.new_cache(rows)
             ids = torch.zeros((rows, context), dtype=torch.long)
             mask = torch.ones((rows, context), dtype=torch.long)
-            self.runner.forward(ids, torch.arange(context).repeat(rows, 1), mask, cache)
+            self.runner.forward(ForwardInputs(ids, torch.arange(context).repeat(rows, 1), mask), cache)
         return cache
 
     def time(self, rows: int, new: int, skip: frozenset[int], head: torch.Tensor | None, draft: bool = False,
@@ -360,7 +360,22 @@ class _Timer:
                     cache.buffers(i, (k.shape[0], k.shape[1], k.shape[3]), k.dtype, context + new)
             cache.advance(context - self.context)
         start = time.perf_counter()
-        runner.forward(torch.zeros((rows, new), dtype=torch.long), torch.arange(context, context + new).repeat(rows, 1),
-                       torch.ones((rows, context + new), dtype=torch.long), cache, last_only=False, skip_layers=skip,
-                       head=head, draft=draft)
+        inputs = ForwardInputs.contiguous(torch.zeros((rows, new), dtype=torch.long), context, last_only=False)
+        RunnerView(runner, LayerPath(skip, head=head, draft=draft)).forward(inputs, cache)
         return time.perf_counter() - start
+
+
+class LazyCosts:
+    """A runner's cost model, measured at its first use (a shard's warm-up uses it before traffic),
+    with the given draft configurations measured as they will run; `model` may be set instead."""
+
+    def __init__(self, runner: Runner, draft_configs: Iterable[DraftKey], heads: DraftHeads | None,
+                 max_tokens: int) -> None:
+        self.runner, self.draft_configs, self.heads, self.max_tokens = runner, list(draft_configs), heads, max_tokens
+        self.model: CostModel | None = None
+
+    def __call__(self) -> CostModel:
+        if self.model is None:
+            self.model = CostModel.measure(self.runner, self.draft_configs, self.heads, max_tokens=self.max_tokens)
+        return self.model
+
