@@ -12,7 +12,7 @@ that goes first rotates per repeat), medians of `--repeats`. Each row reports th
 tokens/s ratios, acceptance per drafter and mean draft length and auto-off count (summed over the
 repeats), the rules switched off by then, and the cost model
 (draft / step and verify(k+1) / step) that explains the ratio. Every run checks that the
-tokens equal off's (greedy, and seeded sampling too: sampling/speculative.py). JSON in
+tokens equal off's (greedy, and seeded sampling too: speculative/accept.py). JSON in
 benchmark/results/layerskip_modes.json.
 
 Usage: PYTHONPATH=benchmark:tests .venv/bin/python benchmark/layerskip_modes.py

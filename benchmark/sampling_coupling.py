@@ -1,4 +1,4 @@
-"""What seeded sampling's coupling costs in accepted drafts (sampling/speculative.py).
+"""What seeded sampling's coupling costs in accepted drafts (speculative/accept.py).
 
 Verified mode keeps a sampled draft when the draft distribution q and the full model's p, raced
 with the same position noise, pick the same token. Speculative rejection sampling would keep it

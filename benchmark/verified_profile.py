@@ -1,6 +1,6 @@
 """Where a verified cycle's time goes, against what the cost model priced it at.
 
-The cost model (server/.../models/cost_model.py) is measured at warm-up on a 64-token context
+The cost model (server/.../speculative/cost_model.py) is measured at warm-up on a 64-token context
 (attention past it priced per cached column, at the context of each step);
 drafting pays only if served cycles cost what it says. This decodes one prompt class in `off`
 and `verified` side by side (interleaved step by step, as layerskip_modes.py does) and, per

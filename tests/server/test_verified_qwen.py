@@ -145,7 +145,7 @@ def test_greedy_mixed_batch_equals_off(qwen: Qwen) -> None:
 def test_seeded_sampling_verified_equals_off(qwen: Qwen) -> None:
     """Seeded sampling (temperature 0.7, top_p 0.95, seed = the prompt's id): a verified row,
     drafting with the shipped policy, and a --speculate 4 row give off's tokens: their drafts
-    change how many positions a forward decides, not the draws (sampling/speculative.py)."""
+    change how many positions a forward decides, not the draws (speculative/accept.py)."""
     drafted = accepted = 0
     for i, prompt in qwen.prompts.items():
         sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.95, "seed": i}
