@@ -1,11 +1,11 @@
 """Grammar-constrained decoding: a request's JSON-schema or regex grammar as a token mask.
 
 Design note. The engine is xgrammar, chosen by measured mask time per token on the default
-model (benchmark/grammar_mask.py, figures in the README): it precomputes, per grammar state,
-which vocabulary entries can follow, so a step's mask is a bitmask fill (~0.2 ms on the
-default model's 49152-token vocabulary, one thread) plus the cheap apply below, and it rolls
-back, which verified mode's drafts need. A grammar is compiled once per (kind, text) for the tokenizer and kept in a
-small LRU keyed by its sha256, so the same schema sent by many requests compiles once.
+model (benchmark/grammar_mask.py, figures in docs/benchmarks.md and docs/tuning.md): it
+precomputes, per grammar state, which vocabulary entries can follow, so a step's mask is a
+bitmask fill plus the cheap apply below, and it rolls back, which verified mode's drafts need.
+A grammar is compiled once per (kind, text) for the tokenizer and kept in a small LRU keyed by
+its sha256, so the same schema sent by many requests compiles once.
 
 Each request owns a matcher whose state advances with every token the request keeps. The
 mask is applied after the penalties and before the warpers (upstream's order). When the
@@ -264,8 +264,8 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         logits: `[vocab]` float32, contiguous, on the CPU.
         bitmask: `[ceil(vocab / 32)]` int32, bit i of word i // 32 (least significant first).
 
-    xgrammar's own `apply_token_bitmask_inplace` costs ~10x the mask fill on the CPU; here the
-    words are unpacked with numpy and, when few tokens are allowed (inside a JSON key, a number,
+    xgrammar's own `apply_token_bitmask_inplace` costs several times the mask fill on the CPU; here
+    the words are unpacked with numpy and, when few tokens are allowed (inside a JSON key, a number,
     an enum), only those are copied into a fresh -inf row.
     """
     vocab = logits.shape[-1]

@@ -1,12 +1,10 @@
 """What a grammar may be before it is compiled, and how long its compile may take.
 
-Design note. xgrammar's compile time grows faster than linearly with a JSON schema's size (on
-the default model's 49k vocabulary: one object of 500 optional string properties 0.4 s, of 1,000
-2.3 s; 50 objects of 100 properties 4.4 s; 200 nested levels 0.9 s), and a compile cannot be
-interrupted. So a grammar is measured first, in one walk of its schema, and refused when it
-passes a limit below which compiles stay around a second; the deadline catches what the
-limits miss. Regexes compile fast for their size (10,000 alternatives in 0.08 s) and are
-bounded by their length alone.
+Design note. xgrammar's compile time grows faster than linearly with a JSON schema's size
+(figures: docs/tuning.md), and a compile cannot be interrupted. So a grammar is measured
+first, in one walk of its schema, and refused when it passes a limit below which compiles stay
+around a second; the deadline catches what the limits miss. Regexes compile fast for their size
+and are bounded by their length alone.
 """
 
 from __future__ import annotations

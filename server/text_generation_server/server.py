@@ -90,8 +90,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
     """Serves one CausalLM; model calls run one at a time, on the event loop's thread.
 
     They block the loop while they run, as upstream's shard does: the model was loaded on this
-    thread, and OpenMP keeps one worker team per calling thread. Measured here, running the
-    forward on a second thread made a decode step 1.9x slower (two teams spinning on 2 cores).
+    thread, and OpenMP keeps one worker team per calling thread: a forward on a second thread
+    would start a second team spinning on the same cores.
     """
 
     def __init__(self, model: CausalLM, config: ServeConfig, env: ShardEnv, shutdown: asyncio.Event) -> None:

@@ -157,8 +157,8 @@ class Infer:
     async def _prepare_grammar(self, grammar: GrammarCheck) -> None:
         """The shard compiles the grammar now (its limits first), off its step thread, so that the
         request's Prefill never waits for a compile; then the schema's meta-check, on a validation
-        worker, unless the shard refused the grammar's size (the check took 4.6 s on 600 KB). The
-        meta-check's message wins over the shard's "does not compile", as upstream checks first."""
+        worker, unless the shard refused the grammar's size (the check is slow on large schemas).
+        The meta-check's message wins over the shard's "does not compile", as upstream checks first."""
         if not grammar.grammar_type:
             return
         refusal = None

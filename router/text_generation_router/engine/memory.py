@@ -1,10 +1,10 @@
 """Giving memory back after a burst.
 
 A burst of large bodies (500 KB prompts tokenized to be truncated, thousands of chat messages
-rendered) leaves glibc's heaps holding freed pages: the router's RSS stayed at its peak (388 ->
-597 MiB after 80 such requests, and there 20 s later). `malloc_trim(0)` returns the free pages
-of every arena to the system; it runs when no request is in flight and some were admitted since
-the last trim, at most every TRIM_EVERY_S. Elsewhere than glibc it does nothing.
+rendered) leaves glibc's heaps holding freed pages, and the router's RSS stays at its peak long
+after. `malloc_trim(0)` returns the free pages of every arena to the system; it runs when no
+request is in flight and some were admitted since the last trim, at most every TRIM_EVERY_S.
+Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations

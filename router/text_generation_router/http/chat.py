@@ -69,7 +69,8 @@ class ChatPlan:
 
 async def plan_chat(req: ChatRequest, state: AppState, with_tools: bool = True) -> ChatPlan:
     """Template, grammar and parameters of a chat request (`with_tools=False`: the no_tool rerun);
-    the template renders on a validation worker, not on the event loop (40k messages took 2.3 s)."""
+    the template renders on a validation worker, not on the event loop (a long conversation takes
+    seconds to render)."""
     refuse_unserved(n=req.n, logit_bias=req.logit_bias, functions=req.functions, function_call=req.function_call)
     if req.response_format is not None and req.tools is not None:
         raise ToolFailed("Grammar and tools are mutually exclusive")

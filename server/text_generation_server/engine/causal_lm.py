@@ -120,8 +120,8 @@ class CausalLM:
         self._grammars: GrammarCompiler | None = None
 
     def grammar_compiler(self, limits: GrammarLimits | None = None) -> GrammarCompiler:
-        """The model's grammar compiler: its logits width and EOS set (built once, ~0.5 s, with
-        the limits of the first call)."""
+        """The model's grammar compiler: its logits width and EOS set (built once, as it reads the
+        whole vocabulary, with the limits of the first call)."""
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids),
                                              limits)

@@ -4,8 +4,8 @@ Design note: requests whose plans apply the same skip set share one left-padded 
 state and one KV cache, so one forward serves them all and a skipped layer allocates no cache
 for the group. A group's key is the set of layers bypassed in every forward (`lossy`). Verified
 requests share the group of the empty set whatever layers their drafts bypass: verification runs
-the full model, and one forward of all rows costs less than one per draft set (the 1.5B at 4
-rows in two groups of 2 took twice a step: 0.65x off); a cycle's draft forwards bypass the
+the full model, and one forward of all rows costs less than one per draft set (each group's
+forward streams the weights again); a cycle's draft forwards bypass the
 layers that every drafting row's plan bypasses (`speculative.controller.CyclePlan.skip`). Groups of one
 batch run one after another (a layer runs only for the groups that need it). Few distinct plans
 keep batching efficient; `off`, `shadow` and `verified` requests always share the group with

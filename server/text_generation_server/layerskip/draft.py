@@ -2,12 +2,13 @@
 
 Design note (the draft model). In verified mode a rule's draft model is the loaded model with
 the rule's layers bypassed and, optionally, a reduced output head: the lm_head rows of the
-first `vocab` token ids of the policy's frequency ranking (`DraftVocab`). On the Qwen2.5-Coder
-models the 151936-word head is 27% (0.5B) / 13% (1.5B) of the weight bytes a step reads, so a
-draft that keeps the full head stays expensive however many layers it skips. The reduced head
-is lossless for the same reason skipped layers are: verification runs the full model with the
-full head, so a token outside the subset is simply never proposed, and every emitted token is
-the full model's own choice (greedy, or its draw under the request's seed: speculative/accept.py).
+first `vocab` token ids of the policy's frequency ranking (`DraftVocab`). On small models with
+large vocabularies (Qwen2.5-Coder's 151936 words) the head is a large share of the weight bytes
+a step reads, so a draft that keeps the full head stays expensive however many layers it skips.
+The reduced head is lossless for the same reason skipped layers are: verification runs the full
+model with the full head, so a token outside the subset is simply never proposed, and every
+emitted token is the full model's own choice (greedy, or its draw under the request's seed:
+speculative/accept.py).
 
 Vocabulary selection: `layerskip calibrate --objective verified` counts the tokens of the
 calibration text (the prompts and the full model's greedy continuations) and ranks them by

@@ -12,7 +12,7 @@ different layers (or checkpoints) must not. We use a sign random projection (Sim
 2. Dequantize only that sample: bitsandbytes int8 values times their row scale `SCB / 127`;
    packed nf4/fp4 values through their 16-entry code table times their block's absmax (the
    same arithmetic as `bitsandbytes.functional.dequantize_4bit`, which a test checks; calling
-   it on whole layers costs ~1.7 s for the default model); float tensors become float64.
+   it on whole layers would dequantize every weight); float tensors become float64.
 3. Constant tensors (freshly initialized zero biases, all-ones norms) carry no identity and
    would make different layers look alike: they contribute no bits. Quantization keeps a
    constant tensor constant, so copies of one checkpoint still get bit vectors of one length.
@@ -22,13 +22,10 @@ different layers (or checkpoints) must not. We use a sign random projection (Sim
    keeps that angle small (a few percent of bits flip); unrelated weights are near-orthogonal
    (about half the bits differ).
 
-Two fingerprints match when their normalized Hamming distance is at most `max_distance`.
-Measured on SmolLM2-135M (576 bits per layer, tests/layerskip/test_fingerprint.py prints it):
-the same layer in bf16/int8/nf4/fp4 is at most 0.007/0.007/0.035/0.047 from float32; two
-different layers are at least 0.36 apart, a re-initialised model at least 0.42. The default
-0.13 is near the geometric midpoint of 0.047 and 0.36 (angle 23 degrees: a copy whose weights
-moved by about 40% of their norm no longer matches; weights plus noise of their own size sit
-at about 0.23).
+Two fingerprints match when their normalized Hamming distance is at most `max_distance`. Its
+default sits near the geometric midpoint between the farthest a quantized copy of a layer
+lands from float32 and the nearest two different layers come (tests/layerskip/test_fingerprint.py
+prints both; figures in docs/tuning.md).
 """
 
 from __future__ import annotations
@@ -124,8 +121,8 @@ def _int8_values(param: torch.Tensor, positions: np.ndarray, shape: tuple[int, .
 def _4bit_values(param: torch.Tensor, positions: np.ndarray) -> np.ndarray:
     # Decodes only the sampled values: value = code[nibble] * absmax[block], two values per
     # byte, the first in the high nibble. Calling bitsandbytes.functional.dequantize_4bit per
-    # tensor costs milliseconds of fixed overhead on a loaded CPU (~2.5 s for the default
-    # model); tests check that this decode equals dequantize_4bit on nf4 and fp4 weights.
+    # tensor costs a fixed overhead that adds up over a model's tensors; tests check that this
+    # decode equals dequantize_4bit on nf4 and fp4 weights.
     import bitsandbytes.functional as bnbf
 
     state = param.quant_state  # type: ignore[attr-defined]

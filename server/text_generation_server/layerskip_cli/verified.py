@@ -16,9 +16,8 @@ arithmetic on acceptance (which is not noisy) and the cost model (speculative/co
    differs gets a rule if one detector condition (feature op threshold) routes prompts to it
    and raises the mean speed by more than MIN_GAIN. A prompt takes the first rule it matches,
    and a new rule may go before the rules already chosen: a narrow rule then carves its class
-   out of a wider one (the 0.5B's bf16 policy of 2026-12-03 had "num_tokens >= 120: skip 12
-   layers" for code editing, which also took the summarisation prompts, accepted 0.50 there,
-   and a summarisation rule placed after it could never match). So the detector earns rules
+   out of a wider one (were rules only appended, a wide rule chosen first could take another
+   class's prompts and leave that class's own rule unreachable). So the detector earns rules
    only where its scores tell the classes apart, which is what the evidence reports.
 The held-out split is measured the same way and reported beside the calibration figures.
 """
@@ -137,8 +136,7 @@ def _score_ngrams(run: PromptRun, prompt_ids: list[int]) -> None:
 def cross_fitted(runs: list[PromptRun], engine: Engine, vocab_size: int) -> list[DraftVocab]:
     """Per prompt, the vocabulary ranked on the other half of the prompts (alternate halves), so
     that a reduced head's acceptance on a calibration prompt is measured on text that did not
-    rank it. Ranked on every prompt, a head scored +1-2% on the calibration split and lost 10-14%
-    on the held-out one (1.5B, 8192 words: code completion 0.92 -> 0.74 with 10 layers skipped)."""
+    rank it: ranked on every prompt, a head's calibration acceptance overstates its held-out one."""
     halves = [ranking(runs[1 - h::2], engine, vocab_size) for h in (0, 1)]
     return [halves[p % 2] for p in range(len(runs))]
 

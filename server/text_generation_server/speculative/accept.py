@@ -114,7 +114,7 @@ def accept(params: SamplingParams, verify_logits: torch.Tensor, prefix: list[int
     logprobs: list[float] = []
     plain = not params.sampling and _warps_only(params, chooser)
     if plain:  # no processor: every position's choice from one batched log-softmax (its rows are the
-        # per-position ones bit for bit, at a third of their time on a 152k vocabulary)
+        # per-position ones bit for bit, and cheaper than one call per position)
         values, ids = verify_logits.log_softmax(-1).max(-1)
         best, best_logprobs = ids.tolist(), values.tolist()
     for j, draft in enumerate([*proposal.token_ids, None]):

@@ -161,10 +161,9 @@ class DraftController:
 
     def acceptance(self, spec: SpecState) -> float:
         """The request's per-draft acceptance: its own counts over its rule's pooled estimate from
-        other requests (counting its drafts in both made one rejection weigh twice: a first draft
-        rejected took a 0.73 prior to 0.47, below the pay line, and the request never drafted
-        again to learn otherwise). Until it has min_cycles_before_auto_off cycles of its own (the
-        same number auto-off waits for), the rule's estimate alone."""
+        other requests (counting its drafts in both would make one rejection weigh twice, enough
+        to sink a prior below the pay line for good). Until it has min_cycles_before_auto_off
+        cycles of its own (the same number auto-off waits for), the rule's estimate alone."""
         record = self.rules.get(spec.rule)
         prior = record.estimate(excluding=spec.model) if record is not None else self.tuning.unknown_prior
         if spec.model.cycles < self.tuning.min_cycles_before_auto_off:

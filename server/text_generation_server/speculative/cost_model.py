@@ -15,12 +15,11 @@ Design note. Whether drafting pays is arithmetic on three measured costs:
   per-layer and lm_head costs (a calibration, which measures dozens, fits them to a plane in
   layers bypassed and head rows: `fitted_drafts`);
 - attention past the measured context: the forwards above run after a `context`-token prefix
-  (64), where attention is a small part of a step; each query reads every cached column, and
-  priced at 64 columns alone 4-row cycles at ~1250 cached tokens (summarisation) cost 1.07-1.24x
-  their price (0.5B float32; with this term 0.99-1.04x). The seconds per activation row (rows x
-  new tokens) per cached column are the difference of a 4-row x 4-token forward after
-  LONG_CONTEXT columns and after `context` columns, and every price adds them for the group's
-  context (drafts for the layers they keep);
+  (64), where attention is a small part of a step; each query reads every cached column, so at
+  long contexts (summarisation) a price read at 64 columns alone falls short of what a cycle
+  costs. The seconds per activation row (rows x new tokens) per cached column are the
+  difference of a 4-row x 4-token forward after LONG_CONTEXT columns and after `context`
+  columns, and every price adds them for the group's context (drafts for the layers they keep);
 - with a per-draft acceptance a, a cycle of k drafts yields (1 - a^(k+1)) / (1 - a) tokens.
 Speed-up of a cycle = tokens x step(rows) / (k x draft(rows) + forward(rows, k + 1)).
 """
@@ -45,10 +44,8 @@ TOKEN_LADDER = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 28)  # new tokens per measured f
 BATCH_ROWS = (2, 4)  # row counts whose forwards are measured too, at BATCH_TOKENS new tokens per row
 BATCH_TOKENS: tuple[int, ...] = (1, 2, 3, 4, 5, 7)
 DRAFT_ROWS = (1, 4)
-# Forwards of up to this many activation rows (rows x new tokens) are timed in every round. With 8,
-# 4 rows x 3 and x 4 tokens were timed once, and one warm-up's 4-row ladder (56, 88, 143, 169 ms for
-# 1-4 tokens; another's 55, 101, 139, 155) made 1-token copies the best choice at batch 4 where
-# 3-token ones had paid: code editing 1.30x off instead of 1.59x.
+# Forwards of up to this many activation rows (rows x new tokens) are timed in every round: the
+# 4-row verifications that batch-4 draft lengths are chosen from need medians, not one reading.
 REPEATED_ROWS = 16
 # Cached columns of the forward that prices attention (the columns are zeros: attention's cost does
 # not depend on what they hold, and a prefill of 4 x 1024 tokens would cost seconds at warm-up).
@@ -76,11 +73,8 @@ def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
 
 def monotone(values: Iterable[float]) -> tuple[float, ...]:
     """The least-squares non-decreasing fit of a sequence (pool adjacent violators): forwards of
-    more new tokens never cost less, so a ladder that dips is noise. Measured on the 0.5B in bf16,
-    the ladder read verify(k)/step = 1.0, 1.15, 1.07, 1.03, 1.08 for k = 1..5 while a longer
-    interleaved benchmark gives 1.0, 1.03, 1.07, 1.08, 1.12: priced at 1.15, a 2-token
-    verification made no draft pay and code completion decoded plainly (1.00x off); pooled, the
-    dip and its neighbours read 1.08."""
+    more new tokens never cost less, so a ladder that dips is noise, and one noisy rung priced
+    as read can keep every draft from paying."""
     blocks: list[list[float]] = []  # [mean, count] of pooled runs
     for value in values:
         blocks.append([value, 1.0])
@@ -112,8 +106,7 @@ class CostModel:
         num_layers: the model's layers (a draft pays attention for the layers it keeps); 0: unknown.
         sample_s: choosing one sampled position's token over the full vocabulary (warpers, the
             position's noise, the race; sampling/chooser.py): a sampled row pays it at each
-            draft and each verified position, ~1 ms on a 152k vocabulary, a fiftieth of a
-            4-row bfloat16 step of the 0.5B.
+            draft and each verified position.
     """
 
     tokens: tuple[int, ...]
@@ -129,7 +122,7 @@ class CostModel:
     num_layers: int = 0
     sample_s: float = 0.0
     # full_s at the measured context per (rows, tokens): a cycle's plan prices dozens of forwards
-    # per step (the 4-row plan took ~0.4 ms, 1% of a bfloat16 step, interpolating them afresh).
+    # per step, and interpolating them afresh each time costs a visible share of the step.
     _prices: dict[tuple[int, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @staticmethod
@@ -188,10 +181,9 @@ class CostModel:
     def fitted_drafts(self) -> CostModel:
         """This model with each measured draft replaced by a plane fitted over all of them (least
         squares, per row count): seconds = a - b x layers bypassed + c x head rows. One draft is
-        timed a few times on a shared machine: measured alone, the 0.5B's 8-layer drafts were
-        28.6 ms with a 4096-word head and 35.4 ms with a 16384-word one, heads that differ by ~1
-        ms, and a calibration then chose by noise. Unchanged when the drafts cannot pin the plane
-        (fewer than 4, or a single layer count or head size)."""
+        timed only a few times on a shared machine, so drafts measured alone differ by more than
+        their heads do and a calibration would choose by noise. Unchanged when the drafts cannot
+        pin the plane (fewer than 4, or a single layer count or head size)."""
         keys = list(self.drafts)
         layers = [len(skip) for skip, _ in keys]
         head_rows = [vocab or self.vocab_size for _, vocab in keys]
@@ -262,8 +254,8 @@ class CostModel:
         long_shape = (BATCH_ROWS[-1], 4)  # rows, new tokens: a batch-4 verification of 3 drafts
         long = timer.add(*long_shape, context=LONG_CONTEXT) if context < LONG_CONTEXT else None
         # The middle half of the layers, as drafts skip them: int8 draft layers cost what their
-        # activations make them cost (LLM.int8()'s outlier columns), and on the 0.5B a draft
-        # bypassing every odd layer took 33 ms, one bypassing 0-11 42 ms, none 27, 12-23 12.
+        # activations make them cost (LLM.int8()'s outlier columns), so which layers are bypassed
+        # matters, not only how many.
         layers = runner.num_layers
         half = frozenset(range(layers // 4, layers // 4 + layers // 2))
         draft_base = timer.add(1, 1, draft=True)
@@ -310,10 +302,8 @@ class _Timer:
     activation rows, beyond the kernels' few-row path, only set the slope and run in the first
     round only), each right after a plain one-token step. A probe's figure is the median over
     rounds of its time over that step's, times the median step: what drafting weighs
-    is the ratio, and on a shared machine the step itself drifts by 30% within seconds (four
-    0.5B measurements in a row: steps of 51-70 ms, and verify(2)/step from medians alone 1.0,
-    1.0, 1.2, 1.0; one serving process took the 1.2, judged every draft too costly and never
-    drafted, code completion 1.01x off where the run before had 1.22x)."""
+    is the ratio, and on a shared machine the step itself drifts within seconds, so medians
+    of absolute times can misprice a verification for the life of a serving process."""
 
     def __init__(self, runner: Runner, repeats: int, context: int) -> None:
         self.runner, self.repeats, self.context = runner, repeats, context

@@ -16,9 +16,8 @@ can run every step of every row (the watches below need that).
 
 Copies a row does not draft (its batch makes a verification cost more than they would save)
 are watched instead (`Watch`): compared with the tokens the row goes on to generate, they give
-the same acceptance evidence a drafted cycle would, for nothing. Before watches, a request at
-batch 4 learnt its copy acceptance only by drafting its first match anyway (a 4-row
-verification of 1.6-2.8 steps, mostly rejected outside code editing).
+the same acceptance evidence a drafted cycle would, for nothing; otherwise a request in a batch
+could learn its copy acceptance only by paying for a multi-row verification of its first match.
 
 Upstream TGI offers the same idea as `--speculate N` (it copies the tokens after the first
 occurrence of the last token); here `--speculate N` also turns it on, with N the largest

@@ -16,7 +16,7 @@ class DraftTuning:
 
     Attributes:
         min_gain: a one-row cycle (and any cycle of copies) drafts only when its expected speed
-            beats a plain step by this factor: the warm-up cost model moves ~5% between runs.
+            beats a plain step by this factor: a margin over the warm-up cost model's noise.
         min_gain_rows: the same bar for model drafts in groups of several rows, by "dtype/kernels"
             then "dtype" (multi-row prices move more between warm-ups than one-row ones).
         min_gain_rows_other: the multi-row bar of any other dtype.

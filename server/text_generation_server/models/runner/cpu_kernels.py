@@ -1,8 +1,8 @@
 """Compiled CPU kernels of the fast runner, in ISA variants chosen at run time.
 
 Design note: a decode step of a small model on a CPU is the weight stream plus a few hundred
-tiny ops. torch runs the products with 1..16 activation rows far below memory bandwidth (bf16
-at half of it, 8 rows 2.5x slower than 1), RMSNorm as ~8 ops, SDPA at ~50 us per call, and
+tiny ops. torch runs the products with 1..16 activation rows far below memory bandwidth (and
+slower with every row), RMSNorm as ~8 ops, SDPA with a fixed cost per call, and
 bitsandbytes' 4-bit and int8 products as a dequantization of the whole weight before each
 matmul. `cpu_kernels.cpp` and `kernels/*.cpp` have one function for each: weight-streaming
 products (fp32, bf16, bitsandbytes 4-bit and LLM.int8()), `rms_norm`, `decode_attention` (a few

@@ -8,20 +8,20 @@ fewer, larger ops:
   one op; the mask is built once per forward and shared by every layer;
 - attention is `F.scaled_dot_product_attention` with grouped kv heads (no repeat_kv copy),
   reading the shared `KVCache` whose append writes in place;
-- logits are computed only for the positions asked for (the tied lm_head is ~20% of the
-  weights of the default model);
+- logits are computed only for the positions asked for (a small model's tied lm_head is a
+  large share of its weights);
 - on x86-64 with AVX2 or AVX-512, compiled kernels (cpu_kernels.py, the variant the CPU runs)
   take the hot spots of forwards with at most 16 activation rows (rows x new tokens: decode
   steps up to batch 16, draft verification, short prefills): the products stream the weights
   once for all rows (fp32, bf16, and bitsandbytes' int8 and 4-bit layouts read as they are,
-  kernel_weights.py), where torch's GEMM reaches half the bandwidth in bf16 and slows down
-  2.5x from 1 to 8 rows in fp32 and bitsandbytes dequantizes every weight per call; RMSNorm,
+  kernel_weights.py), where torch's GEMM falls well short of the bandwidth in bf16 and slows
+  down with every row in fp32 and bitsandbytes dequantizes every weight per call; RMSNorm,
   RoPE and silu(gate) * up are one call each; attention of the new tokens against the cache
-  replaces SDPA's CPU kernel (~50 us per call), also beyond 16 activation rows while a row
+  replaces SDPA's CPU kernel (a fixed cost per call), also beyond 16 activation rows while a row
   brings at most 16 new tokens (every verification: its result does not depend on the batch,
   so verified mode's greedy tokens are off's bit for bit). For the Llama family such a forward runs each
   decoder layer as one compiled call, `decode_layer`, built of the same pieces: Python is
-  crossed 30 times per forward instead of ~750.
+  crossed once per layer instead of once per op.
 The layer loop stays in Python, so `skip_layers` is a plain `continue` and an optional
 `torch.compile` of the two per-layer halves (`pre_attention`, `post_attention`) never
 recompiles for a new skip plan: every layer shares the same compiled graphs, with its own
@@ -69,7 +69,7 @@ class FastRunnerConfig:
             llama.cpp's Q8_0 idea; quantized here from the loaded weights) on the kernels: 1.06
             bytes per weight instead of 4 (fp32) or 2 (bf16), at the cost of that rounding in
             every logit (measured in README-runner.md). None (default): on for bitsandbytes
-            models (whose lm_head bitsandbytes keeps dense: 52-73% of a quantized step's bytes)
+            models (whose lm_head bitsandbytes keeps dense: most of a quantized step's bytes)
             unless TGI_QUANTIZED_LM_HEAD=dense, off for dense models (their logits stay the model's).
         draft_weights: what verified-mode draft forwards (`forward(draft=True)`) of a dense
             Llama-family model read on the kernels: "int8" (an int8 copy of each decoder layer's
@@ -382,9 +382,9 @@ class FastLlamaRunner(Runner):
     def _int8_head(self, head: torch.Tensor) -> KernelProjection:
         """A draft head (the lm_head or a reduced head's rows) as weight-only int8 in blocks
         (int8_head), made at its first draft and kept with the tensor it was made from (so its
-        address is not reused). Not LLM.int8(): the final norm's output has ~150 of the 0.5B's 896
-        columns over DRAFT_INT8_THRESHOLD, and each outlier column is read across every vocabulary
-        row (its full head took 44 ms, weight-only 6.7 ms, the fp32 head 19 ms)."""
+        address is not reused). Not LLM.int8(): the final norm's output has many columns over
+        DRAFT_INT8_THRESHOLD, and each outlier column is read across every vocabulary row, which
+        makes such a head slower than the dense one."""
         key = (head.data_ptr(), int(head.shape[0]))
         made = self._draft_heads.get(key)
         if made is None:

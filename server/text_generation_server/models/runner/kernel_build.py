@@ -4,11 +4,11 @@ Design note: a variant is the kernels (kernels/*.cpp) compiled with its own -m f
 with the bindings (cpu_kernels.cpp, compiled once with baseline flags: it holds no vector code)
 into its own module `<folder>/<variant>/tgi_cpu_kernels.so`. Compiling never executes what it
 compiles, so one machine builds every variant (an image built on one host serves on another),
-and importing is left to cpu_kernels.load, which imports only a variant the CPU can run: the
-old build imported its single AVX-512 module right after compiling it, and died with
-"Illegal instruction" on CPUs without AVX-512. Objects are compiled in parallel; a module
-appears under its final name only when complete (written to a temporary name, then renamed),
-and a file lock keeps two processes from building the same folder at once.
+and importing is left to cpu_kernels.load, which imports only a variant the CPU can run (a
+build that imported what it compiled would die with "Illegal instruction" on a CPU without
+the variant's ISA). Objects are compiled in parallel; a module appears under its final name
+only when complete (written to a temporary name, then renamed), and a file lock keeps two
+processes from building the same folder at once.
 """
 
 from __future__ import annotations

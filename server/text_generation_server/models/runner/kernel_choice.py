@@ -1,18 +1,16 @@
 """Which of the runnable kernel variants is fastest on this CPU, per weight kind: measured once.
 
-Design note: the widest ISA the flags allow is not always the fastest. On a Zen 4 (AVX-512
-executed as two 256-bit halves) a decode step of the default model measured, per variant
-(ms): fp32 avx2 20.3, avx512 21.5; bf16 avx2 10.3, avx512 11.1, avx512_bf16 (vdpbf16ps) 13.8;
-nf4 avx512 10.4, avx2 12.3 (vpermps decodes 4-bit codes in one instruction). So, as FFTW keeps
-"wisdom", the variant for `TGI_CPU_KERNELS=auto` is chosen by timing each runnable variant on
-a synthetic decode step of that weight kind (decoder layers of one shape whose weights exceed
-the last-level cache, one new token for 1 and for 8 rows, interleaved rounds in alternating
-order, medians; only variants whose code for that kind differs, cpu_kernels.variants_for: the
-avx512_bf16, avx512_vnni and avx512 variants' identical fp32 code measured up to 20% apart on
-this shared machine, and the choice between them flipped from one build to the next; the score
-is the mean of each row count's time relative to the fastest variant's: LLM.int8() on avx2 ties
-at one row and loses at eight, where VNNI's dot products count) and remembered in
-`choices.json` in the build folder, keyed by the CPU model, its flags and METHOD.
+Design note: the widest ISA the flags allow is not always the fastest (a CPU that executes
+AVX-512 as two 256-bit halves can run avx2 faster, and the winner differs per weight kind:
+docs/tuning.md). So, as FFTW keeps "wisdom", the variant for `TGI_CPU_KERNELS=auto` is chosen
+by timing each runnable variant on a synthetic decode step of that weight kind (decoder layers
+of one shape whose weights exceed the last-level cache, one new token for 1 and for 8 rows,
+interleaved rounds in alternating order, medians; only variants whose code for that kind
+differs, cpu_kernels.variants_for: timing identical code against itself measures the machine's
+noise, and the choice would flip from one build to the next; the score is the mean of each row
+count's time relative to the fastest variant's: LLM.int8() on avx2 ties at one row and loses
+at eight, where VNNI's dot products count) and remembered in `choices.json` in the build
+folder, keyed by the CPU model, its flags and METHOD.
 `build-kernels` measures every kind at install time, so every process on a machine reads the
 same choice (the numerics of variants differ in the order of fp32 sums, and two processes of
 one server must agree); a process whose CPU has no entry (an image built on another host)

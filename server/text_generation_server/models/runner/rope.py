@@ -57,6 +57,6 @@ class RopeTable:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """Rotate `x` `[rows, new, heads, head_dim]` (transformers' rotate_half convention)."""
-    # Not addcmul: its fused multiply-add rounds differently, and one ulp here grows to
-    # ~4e-4 in the logits of the default model, past the 1e-4 parity budget.
+    # Not addcmul: its fused multiply-add rounds differently, and one ulp here grows past the
+    # logits' 1e-4 parity budget.
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
