@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from text_generation_router.engine.tokenizer import Tokenizer
 from text_generation_server.download import download_weights
 from text_generation_server.engine.batch import CausalLMBatch
 from text_generation_server.engine.causal_lm import CausalLM
@@ -59,7 +60,7 @@ class Qwen:
 
     def __init__(self) -> None:
         torch.set_grad_enabled(False)
-        path = download_weights(MODEL_ID)
+        self.path = path = download_weights(MODEL_ID)
         self.model = load_model(path, LoadConfig(dtype=DTYPE))
         self.policy = find_shipped_policy(self.model)
         assert self.policy is not None, f"no shipped policy in policies/ matches {MODEL_ID}"
@@ -159,3 +160,23 @@ def test_seeded_sampling_verified_equals_off(qwen: Qwen) -> None:
         accepted += int(stats["accepted"])
     print(f"\n{MODEL_ID} sampled: {len(qwen.prompts)} prompts identical to off; {drafted} drafted, {accepted} accepted")
     assert drafted > 0 and accepted > 0
+
+
+def test_the_routers_tokenizer_reads_qwens_files_as_transformers(qwen: Qwen) -> None:
+    """The router's light tokenizer (tokenizers + jinja2) on a template with tools and a system default."""
+    light, reference = Tokenizer(str(qwen.path)), load_tokenizer(qwen.path)
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": city}}]
+    assert light.template_uses_tools
+    for messages in ([{"role": "user", "content": "Write quicksort in Python."}],
+                     [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "hello"}, {"role": "user", "content": "weather in Paris?"}]):
+        for with_tools in (None, tools):
+            expected = reference.apply_chat_template(messages, tools=with_tools, tokenize=False,
+                                                     add_generation_prompt=True)
+            rendered = light.apply_chat_template(messages, tools=with_tools)
+            assert rendered == expected
+            assert light.encode(rendered) == reference(rendered)["input_ids"]
+            ids = light.encode(rendered)
+            assert light.decode(ids) == reference.decode(ids, skip_special_tokens=False)
+
