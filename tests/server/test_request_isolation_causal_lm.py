@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from text_generation_server.engine.batch import CausalLMBatch
-from text_generation_server.engine.causal_lm import CausalLM
+from text_generation_server.engine.causal_lm import PROMPT_LOGPROB_ROWS, CausalLM
 from text_generation_server.engine.skip_planner import LayerSkipConfig, SkipPlanner
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
 from text_generation_server.models.runner import build_runner
@@ -120,3 +121,17 @@ def test_an_internal_failure_in_token_choice_ends_its_request_alone(model_path: 
 
 def _batch(lm: CausalLM, requests: list[generate_pb2.Request]) -> CausalLMBatch:
     return CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers, lm.eos_token_ids, 1000)
+
+
+def test_prompt_logprobs_of_a_long_prompt_are_taken_in_blocks(model_path: Path) -> None:
+    """Block by block (no [prompt, vocab] copy), yet the same values as one log_softmax over the
+    whole prompt, padding rows on the left ignored."""
+    lm = _lm(model_path)
+    generator = torch.Generator().manual_seed(0)
+    n, vocab = 2 * PROMPT_LOGPROB_ROWS + 37, lm.runner.vocab_size
+    ids = torch.randint(0, vocab, (n,), generator=generator).tolist()
+    logits = torch.randn((n + 3, vocab), generator=generator) * 4  # 3 rows of left padding first
+    info = lm.prefill_tokens(SimpleNamespace(input_length=n, all_ids=[*ids, 7]), logits)  # type: ignore[arg-type]
+    whole = logits[3:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    assert info.ids == ids and math.isnan(info.logprobs[0]) and len(info.logprobs) == n
+    assert info.logprobs[1:] == whole.tolist()

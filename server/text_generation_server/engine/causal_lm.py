@@ -34,6 +34,8 @@ from .plan_groups import GroupKey
 from .skip_planner import PolicyState, SkipPlanner
 from .step_timing import Stage, StageClock, StepTimings
 
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose log_softmax is taken at once
+
 
 @dataclass
 class TokenInfo:
@@ -285,9 +287,14 @@ class CausalLM:
         """Logprob of each prompt token given the ones before it (the first is NaN)."""
         n = state.input_length
         prompt_ids = state.all_ids[:n]
-        row_logprobs = logits[-n:].log_softmax(-1)  # [n, vocab], right-aligned real positions
+        positions = logits[-n:-1]  # [n - 1, vocab]: right-aligned real positions, each scoring the next token
         targets = torch.tensor(prompt_ids[1:], dtype=torch.long)
-        values = row_logprobs[:-1].gather(1, targets[:, None]).squeeze(1).tolist() if n > 1 else []
+        values: list[float] = []
+        # log_softmax row block by row block: a whole prompt's [n, vocab] copy would double the
+        # logits' memory (gigabytes for a long prompt over a large vocabulary)
+        for start in range(0, n - 1, PROMPT_LOGPROB_ROWS):
+            block = positions[start:start + PROMPT_LOGPROB_ROWS].log_softmax(-1)
+            values += block.gather(1, targets[start:start + PROMPT_LOGPROB_ROWS, None]).squeeze(1).tolist()
         texts = [self.token_text(i) for i in prompt_ids]
         return TokenInfo(prompt_ids, [math.nan, *values], texts, [i in self.special_ids for i in prompt_ids])
 
