@@ -36,7 +36,7 @@ from router_launcher import start_launcher
 from text_generation_server.download import QWEN_CODER_05B_ID, chunked_gguf
 
 from common import write_results
-from service_process import free_port
+from service_process import free_port, wait_healthy
 
 CONTEXT = 8192
 QUANTIZE = {"nf4": "bitsandbytes-nf4", "fp4": "bitsandbytes-fp4", "int8": "bitsandbytes"}
@@ -44,6 +44,7 @@ DEFAULT_CONFIGS = "float32/off,bfloat16/off,bfloat16/verified,nf4/off,nf4/verifi
 REQUEST = {"messages": [{"role": "user", "content": "Write a Python function that reverses a string."}],
            "max_tokens": 32, "temperature": 0}
 REST_S = 2.0
+STARTUP_TIMEOUT_S = 300.0
 
 
 def memory_mib(pid: int) -> dict[str, float]:
@@ -92,19 +93,12 @@ def llama_server(binary: str, model: str) -> dict[str, Any]:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({proc.returncode}); log {log_path}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(proc, url, log_path, STARTUP_TIMEOUT_S)
         answer = httpx.post(f"{url}/v1/chat/completions", json=REQUEST, timeout=600)
         answer.raise_for_status()
         time.sleep(REST_S)
-        return {"server": memory_mib(proc.pid), "total": memory_mib(proc.pid)}
+        reading = memory_mib(proc.pid)
+        return {"server": reading, "total": reading}
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -46,23 +46,21 @@ class Tokenizer:
     def __init__(self, name: str) -> None:
         folder = _folder(name)
         config = _read_json(folder / "tokenizer_config.json") if folder else {}
-        legacy = _read_json(folder / "special_tokens_map.json") if folder else {}
-        self.special_tokens = {key: text for key in SPECIAL_TOKENS
-                               if (text := _token_text(config.get(key, legacy.get(key)))) is not None}
-        self.bos_token: str | None = self.special_tokens.get("bos_token")
-        self.eos_token: str | None = self.special_tokens.get("eos_token")
-        self.chat_template = _chat_template(folder, config) if folder else None
         altering = [key for key in ALTERING_KEYS if config.get(key)]
+        self._backend: _Backend
         if folder is not None and (folder / "tokenizer.json").is_file() and not altering:
-            self._backend: _Backend = _Fast(folder / "tokenizer.json", bool(config.get("clean_up_tokenization_spaces")))
+            self._backend = _Fast(folder / "tokenizer.json", bool(config.get("clean_up_tokenization_spaces")))
+            legacy = _read_json(folder / "special_tokens_map.json")
+            self.special_tokens = {key: text for key in SPECIAL_TOKENS
+                                   if (text := _token_text(config.get(key, legacy.get(key)))) is not None}
+            self.chat_template = _chat_template(folder, config)
         else:
             why = f"its config sets {', '.join(altering)}" if altering else "it has no tokenizer.json"
             logger.info(f"Tokenizer of {name}: loaded with transformers ({why})")
-            self._backend = _Transformers(name)
-            self.chat_template = self._backend.chat_template
-            self.special_tokens = self._backend.special_tokens
-            self.bos_token = self.special_tokens.get("bos_token")
-            self.eos_token = self.special_tokens.get("eos_token")
+            self._backend = transformers = _Transformers(name)
+            self.special_tokens, self.chat_template = transformers.special_tokens, transformers.chat_template
+        self.bos_token: str | None = self.special_tokens.get("bos_token")
+        self.eos_token: str | None = self.special_tokens.get("eos_token")
         self.template_uses_tools = self._uses(self.chat_template, "tools")
 
     @staticmethod
@@ -114,18 +112,15 @@ class TemplateError(ValueError):
     """The chat template could not render the request (HTTP 422 template_error)."""
 
 
-class _Backend:
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        raise NotImplementedError
+class _Backend(Protocol):
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str:
-        raise NotImplementedError
+    def decode(self, ids: list[int]) -> str: ...
 
-    def spans(self, text: str, add_special_tokens: bool) -> list[TokenSpan]:
-        raise NotImplementedError
+    def spans(self, text: str, add_special_tokens: bool) -> list[TokenSpan]: ...
 
 
-class _Fast(_Backend):
+class _Fast:
     """tokenizer.json on the `tokenizers` library."""
 
     def __init__(self, path: Path, clean_up_spaces: bool) -> None:
@@ -148,7 +143,7 @@ class _Fast(_Backend):
                 for i, (start, stop) in zip(enc.ids, enc.offsets, strict=True)]
 
 
-class _Transformers(_Backend):
+class _Transformers:
     """transformers' AutoTokenizer, for tokenizers the light path does not reproduce."""
 
     def __init__(self, name: str) -> None:
