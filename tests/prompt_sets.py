@@ -53,9 +53,10 @@ CLASSES = {"chat": CHAT, "reasoning": REASONING, "code": CODE, "greeting": GREET
 ALL = [(name, prompt) for name, prompts in CLASSES.items() for prompt in prompts]
 
 
-def chat_text(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
-    """The prompt as one user turn of the model's chat template, ready for generation."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+def chat_text(tokenizer: PreTrainedTokenizerBase, prompt: str, system: str | None = None) -> str:
+    """The prompt as one user turn of the model's chat template (after `system`), ready for generation."""
+    turns = [{"role": "system", "content": system}] if system is not None else []
+    text = tokenizer.apply_chat_template([*turns, {"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
     assert isinstance(text, str)
     return text

@@ -103,6 +103,22 @@ def test_openai_chat_ids_seed_and_logprobs(server: Launcher) -> None:
         "chat.completions.create(logprobs=True, top_logprobs=2)"
 
 
+def test_openai_chat_second_turn_reports_cached_prompt_tokens(server: Launcher) -> None:
+    """The shard's prefix cache (on by default) reuses the first turn; usage says how much."""
+    client = _openai(server)
+    history = [{"role": "system", "content": "You answer in one short sentence. " * 8}, *QUESTION]
+    first = client.chat.completions.create(model="tgi", messages=history, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    history += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                {"role": "user", "content": "And of Italy?"}]
+    second = client.chat.completions.create(model="tgi", messages=history, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    details = second.usage.prompt_tokens_details  # type: ignore[union-attr]
+    assert first.usage is not None and details is not None and details.cached_tokens is not None
+    assert details.cached_tokens >= first.usage.prompt_tokens - 4, (first.usage, second.usage)
+    again = client.chat.completions.create(model="tgi", messages=history, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    assert again.choices[0].message.content == second.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1  # type: ignore[union-attr]
+
+
 def test_openai_finish_reasons_and_refused_parameters(server: Launcher) -> None:
     client = _openai(server)
     greedy = client.chat.completions.create(model="tgi", messages=QUESTION, max_tokens=24, temperature=0)

@@ -160,6 +160,12 @@ def serve(
                                                AuditConfig(layer_skip_shadow_rate, layer_skip_shadow_window,
                                                             layer_skip_consistency_target)))
         config = dataclasses.replace(config, grammar_limits=grammar_limits)
+        if env.prefix_caching and env.prefix_cache_mib:
+            from .engine.prefix_cache import PrefixCache
+
+            model.prefixes = PrefixCache(env.prefix_cache_mib << 20)
+        logger.info(f"Prefix cache: {f'up to {env.prefix_cache_mib} MiB' if model.prefixes else 'off'} "
+                    f"(PREFIX_CACHING={int(env.prefix_caching)}, PREFIX_CACHE_MIB={env.prefix_cache_mib})")
     except ValueError as err:
         logger.error(str(err))
         raise typer.Exit(1) from err

@@ -5,9 +5,10 @@ refused before minutes of loading. ProcessEnv is what every command reads (serve
 download-weights, build-kernels, layerskip): `process_env()` reads it on first use, which
 comes before any model loads, and keeps it for the process.
 
-Upstream's launcher always sets ATTENTION and PREFIX_CACHING; this backend accepts them (a
-padded backend has no paged attention, so they only shape the Info answer) and defaults them
-when started by hand.
+Upstream's launcher always sets ATTENTION and PREFIX_CACHING; this backend accepts them and
+defaults them when started by hand. ATTENTION only shapes the Info answer (no paged attention
+here); PREFIX_CACHING=0 turns off the shard's own prefix cache (engine/prefix_cache.py), whose
+size PREFIX_CACHE_MIB sets.
 """
 
 from __future__ import annotations
@@ -33,16 +34,20 @@ class ShardEnv:
     rank: int
     world_size: int
     watermark: WatermarkConfig = field(default_factory=WatermarkConfig)  # WATERMARK_GAMMA / WATERMARK_DELTA
+    prefix_cache_mib: int = 256  # PREFIX_CACHE_MIB: the prefix cache's bytes, in MiB
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ) -> ShardEnv:
         attention = environ.get("ATTENTION", "paged")
         if attention not in BLOCK_SIZES:
             raise ValueError(f"ATTENTION={attention!r} is not one of {', '.join(BLOCK_SIZES)}")
-        prefix = environ.get("PREFIX_CACHING", "0").lower() in ("1", "true")
+        prefix = environ.get("PREFIX_CACHING", "1").lower() in ("1", "true")
         watermark = WatermarkConfig(_float(environ, "WATERMARK_GAMMA", DEFAULT_GAMMA),
                                     _float(environ, "WATERMARK_DELTA", DEFAULT_DELTA))
-        return cls(attention, prefix, _int(environ, "RANK", 0), _int(environ, "WORLD_SIZE", 1), watermark)
+        mib = _int(environ, "PREFIX_CACHE_MIB", 256)
+        if mib < 0:
+            raise ValueError(f"PREFIX_CACHE_MIB={mib} is negative")
+        return cls(attention, prefix, _int(environ, "RANK", 0), _int(environ, "WORLD_SIZE", 1), watermark, mib)
 
     @property
     def block_size(self) -> int:

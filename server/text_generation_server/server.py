@@ -78,6 +78,8 @@ def generation_to_pb(g: Generation) -> generate_pb2.Generation:
         pb.layer_skip.CopyFrom(generate_pb2.LayerSkipReport(
             mode=r.mode, skipped_layers=r.skipped_layers, rule=r.rule, max_score=float(r.scores.get("max_score", 0.0)),
             mean_score=float(r.scores.get("mean_score", 0.0)), stats=stats))
+    if g.cached_tokens is not None:
+        pb.cached_tokens = g.cached_tokens
     if g.generated_text is not None:
         f = g.generated_text
         reason = generate_pb2.FinishReason.Name(int(f.finish_reason))
@@ -180,6 +182,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         batch = self._from_pb(warmup_batch)
         padded_tokens = batch.padded_prompt_tokens()
         self.model.generate_token(batch)  # a dry run; the result is not cached
+        if self.model.prefixes is not None:
+            self.model.prefixes.clear()  # nor are its prompts
         if self.model.planner.policy_state == PolicyState.LOADED:
             cost = self.model.costs()
             logger.info(f"Verified-mode cost model: step {cost.step_s * 1000:.1f} ms, verify "

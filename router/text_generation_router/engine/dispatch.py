@@ -9,6 +9,7 @@ other entries of the batch are sent and served as if it had never been there.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from loguru import logger
@@ -220,10 +221,15 @@ def dispatch_generations(
             if entry.layer_skip is None:
                 metrics.layer_skip.observe_plan(report)
             entry.layer_skip = report
+        if g.HasField("cached_tokens"):
+            entry.cached_tokens = g.cached_tokens
+            metrics.request_prefix_cached_tokens.observe(g.cached_tokens)
         if g.HasField("prefill_tokens") and len(g.prefill_tokens.ids) > 0:
             entry.events.put_nowait(PrefillEvent(_tokens(g.prefill_tokens)))
         tokens = _tokens(g.tokens)
         end = _generated_text(g)
+        if end is not None and entry.cached_tokens:
+            end = dataclasses.replace(end, cached_tokens=entry.cached_tokens)
         for n, token in enumerate(tokens):
             top = _tokens(g.top_tokens[n]) if n < len(g.top_tokens) else []
             last = n == len(tokens) - 1

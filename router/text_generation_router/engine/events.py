@@ -31,6 +31,7 @@ class GeneratedText:
     generated_tokens: int
     finish_reason: str  # length | eos_token | stop_sequence
     seed: int | None
+    cached_tokens: int = 0  # prompt tokens the shard took from its prefix cache
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ class Metrics:
     request_input_length: Histogram
     request_max_new_tokens: Histogram
     request_skipped_tokens: Histogram
+    request_prefix_cached_tokens: Histogram
     queue_size: Gauge
     batch_current_size: Gauge
     batch_current_max_tokens: Gauge
@@ -112,6 +113,10 @@ def build_metrics(max_input_tokens: int, max_total_tokens: int) -> Metrics:
         ),
         request_skipped_tokens=Histogram(
             "tgi_request_skipped_tokens", "Speculated tokens", registry=r
+        ),
+        request_prefix_cached_tokens=Histogram(
+            "tgi_request_prefix_cached_tokens", "Prompt tokens taken from the prefix cache", registry=r,
+            buckets=_linear(max_input_tokens),
         ),
         queue_size=Gauge("tgi_queue_size", "Waiting requests", registry=r),
         batch_current_size=Gauge("tgi_batch_current_size", "Running batch size", registry=r),

@@ -31,6 +31,7 @@ class Entry:
     # Set by the batcher once the request has its last event (last token or error).
     done: bool = False
     layer_skip: LayerSkipReport | None = None
+    cached_tokens: int = 0  # prompt tokens the shard took from its prefix cache
 
     def fail(self, kind: str, message: str) -> None:
         """End this request alone with an error event (see ErrorEvent for the kinds)."""

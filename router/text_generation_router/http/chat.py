@@ -115,7 +115,7 @@ async def chat_completion(state: AppState, http: Request, req: ChatRequest) -> R
         "model": response_model(req, state), "system_fingerprint": FINGERPRINT,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs_json(g) if req.logprobs else None,
                      "finish_reason": finish}],
-        "usage": usage(g.request.input_length, g.generated.generated_tokens),
+        "usage": usage(g.request.input_length, g.generated.generated_tokens, g.generated.cached_tokens),
     }
     return sse.NanSafeJSONResponse(body, headers=call.headers(g, len(plan.prompt)))
 
@@ -203,7 +203,7 @@ async def _plan_chunks(state: AppState, req: ChatRequest, plan: ChatPlan, ids: S
                                   "finish_reason": finish if last else None}])
             if end is not None:
                 if req.stream_options is not None and req.stream_options.include_usage:
-                    yield ids.chunk([], usage(request.input_length, end.generated_tokens))
+                    yield ids.chunk([], usage(request.input_length, end.generated_tokens, end.cached_tokens))
                 return
 
 

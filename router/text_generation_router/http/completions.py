@@ -92,7 +92,8 @@ async def completion(state: AppState, http: Request, req: CompletionRequest) -> 
                 "finish_reason": OPENAI_FINISH[g.generated.finish_reason]}
                for i, (g, x) in enumerate(zip(gens, prompts, strict=True))]
     body = Envelope(state).body(choices)
-    body["usage"] = usage(sum(g.request.input_length for g in gens), sum(g.generated.generated_tokens for g in gens))
+    body["usage"] = usage(sum(g.request.input_length for g in gens), sum(g.generated.generated_tokens for g in gens),
+                          sum(g.generated.cached_tokens for g in gens))
     return sse.NanSafeJSONResponse(body)
 
 
@@ -119,7 +120,7 @@ async def _completion_events(
                 "index": index, "text": event.token.text, "logprobs": logprobs,
                 "finish_reason": None if end is None else OPENAI_FINISH[end.finish_reason]}])
             if end is not None:
-                body["usage"] = usage(request.input_length, end.generated_tokens)
+                body["usage"] = usage(request.input_length, end.generated_tokens, end.cached_tokens)
             await out.put(sse.event(body))
 
     async def run_all() -> None:

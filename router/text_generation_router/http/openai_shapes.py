@@ -65,8 +65,10 @@ def adapter(model: str | None, state: AppState) -> str | None:
     return model
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, object]:
+    """OpenAI's usage object; `cached`: prompt tokens the shard took from its prefix cache."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def now() -> int:

@@ -116,7 +116,7 @@ def child_env(args: LauncherArgs) -> dict[str, str]:
     env = {k: v for k, v in args.env.environ.items() if k != "LOG_LEVEL"}
     a = args.ns
     env.setdefault("ATTENTION", "paged")
-    env.setdefault("PREFIX_CACHING", "0")
+    env.setdefault("PREFIX_CACHING", "1")
     env.update({
         "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": a.master_addr,
         "MASTER_PORT": str(a.master_port), "HF_HUB_DISABLE_PROGRESS_BARS": "1",

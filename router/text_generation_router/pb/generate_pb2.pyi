@@ -273,20 +273,22 @@ class LayerSkipReport(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., skipped_layers: _Optional[_Iterable[int]] = ..., rule: _Optional[str] = ..., max_score: _Optional[float] = ..., mean_score: _Optional[float] = ..., stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "layer_skip")
+    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "layer_skip", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TEXT_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYER_SKIP_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     prefill_tokens: Tokens
     tokens: Tokens
     generated_text: GeneratedText
     top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
     layer_skip: LayerSkipReport
-    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., layer_skip: _Optional[_Union[LayerSkipReport, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., layer_skip: _Optional[_Union[LayerSkipReport, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class FilterBatchRequest(_message.Message):
     __slots__ = ("batch_id", "request_ids")

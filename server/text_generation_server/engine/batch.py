@@ -13,12 +13,12 @@ from transformers import PreTrainedTokenizerBase
 
 from ..grammar import GrammarKind, GrammarSpec
 from ..layerskip.plan import MODES, SkipPlan
-from ..models.runner.kv_cache import KVCache
 from ..pb import generate_pb2
 from ..sampling import ChoiceContext, NextTokenChooser, SamplingParams
 from ..speculative.state import SpecState
 from ..stopping import StoppingCriteria
 from .plan_groups import GroupKey, PlanGroup
+from .prefix_cache import PrefixCache
 
 NO_SKIP: GroupKey = frozenset()
 
@@ -39,6 +39,7 @@ class RequestState:
     decision_ms: float = 0.0
     spec: SpecState | None = None  # verified mode: acceptance and draft length
     audit_of: int | None = None  # an `off` twin of this lossy request id (never reported)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prefix_offset: int = 0
     read_offset: int = 0
     finished: bool = False
@@ -193,17 +194,22 @@ class CausalLMBatch:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return cls(batch_id, requests, [], num_layers, pad_id)
 
-    def form_groups(self, keys: dict[int, GroupKey]) -> None:
-        """Before prefill: one group per distinct key, rows in batch order."""
+    def form_groups(self, keys: dict[int, GroupKey], prefixes: PrefixCache | None = None) -> None:
+        """Before prefill: one group per distinct key, rows in batch order, each row's cached
+        prompt prefix (from `prefixes`) already in its group's cache. A request that asked for
+        its prompt's logprobs runs its whole prompt."""
         assert not self.groups, "groups are formed once, before prefill"
         members: dict[GroupKey, list[RequestState]] = {}
         for state in self.requests:
             members.setdefault(keys[state.id], []).append(state)
-        self.groups = [
-            PlanGroup.from_prompts(key, [s.id for s in states], [s.all_ids[: s.input_length] for s in states],
-                                   KVCache(num_rows=len(states), num_layers=self.num_layers), self.pad_id)
-            for key, states in members.items()
-        ]
+        for key, states in members.items():
+            prompts = [s.all_ids[: s.input_length] for s in states]
+            hits = [prefixes.lookup(key, p) if prefixes is not None and not s.prefill_logprobs else None
+                    for s, p in zip(states, prompts, strict=True)]
+            for state, hit in zip(states, hits, strict=True):
+                state.cached_tokens = hit.length if hit is not None else 0
+            self.groups.append(PlanGroup.from_prompts(key, [s.id for s in states], prompts, self.num_layers,
+                                                      self.pad_id, hits))
         self.max_tokens = self._estimate_max_tokens()
 
     def padded_prompt_tokens(self) -> int:
@@ -217,7 +223,7 @@ class CausalLMBatch:
 
     @property
     def prefilled(self) -> bool:
-        return bool(self.groups) and all(g.cache.length > 0 for g in self.groups)
+        return bool(self.groups) and not any(g.fresh for g in self.groups)
 
     def filter(self, request_ids: list[int]) -> CausalLMBatch:
         """Keep exactly `request_ids`, in that order; groups left empty are dropped."""

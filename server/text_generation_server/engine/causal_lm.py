@@ -19,7 +19,7 @@ from ..grammar import GrammarCompiler
 from ..grammar_limits import GrammarLimits
 from ..layerskip import LayerSkipMode, SkipPlan
 from ..models.loading import dtype_name
-from ..models.runner.base import Runner
+from ..models.runner.base import ForwardInputs, Runner
 from ..sampling import top_n_tokens
 from ..sampling.chooser import failure_message
 from ..speculative.controller import DraftController, SpeculateConfig
@@ -30,11 +30,26 @@ from ..stopping import FinishReason
 from .audit_check import add_twins, compare_twins
 from .batch import NO_SKIP, CausalLMBatch, RequestState
 from .group_step import GroupStep, PlainStep, RowStep, VerifiedStep
-from .plan_groups import GroupKey
+from .plan_groups import GroupKey, PlanGroup
+from .prefix_cache import MIN_TOKENS, PrefixCache
 from .skip_planner import PolicyState, SkipPlanner
 from .step_timing import Stage, StageClock, StepTimings
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose log_softmax is taken at once
+SHARED_PREFIX_TOKENS = 64  # prompts of one batch sharing at least this many first tokens run them once
+
+
+def shared_prefixes(prompts: list[list[int]]) -> list[list[int]]:
+    """The longest prefixes (of at least SHARED_PREFIX_TOKENS tokens, short of any prompt's last
+    token) that two or more of `prompts` share, none a prefix of another."""
+    ordered = sorted(prompts)
+    found: list[list[int]] = []
+    for a, b in zip(ordered, ordered[1:], strict=False):
+        stop = min(len(a), len(b)) - 1
+        agree = next((i for i in range(stop) if a[i] != b[i]), stop)
+        if agree >= max(SHARED_PREFIX_TOKENS, MIN_TOKENS):
+            found.append(a[:agree])
+    return [p for p in found if not any(len(q) > len(p) and q[:len(p)] == p for q in found)]
 
 
 @dataclass
@@ -66,6 +81,7 @@ class Generation:
     generated_text: FinishedText | None = None
     layer_skip: LayerSkipReport | None = None
     error: str | None = None  # this request failed alone in this step (it is finished, no tokens)
+    cached_tokens: int | None = None  # on the first generation: prompt tokens taken from the prefix cache
 
 
 @dataclass
@@ -100,7 +116,7 @@ class CausalLM:
 
     def __init__(self, runner: Runner, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int],
                  planner: SkipPlanner, max_position_embeddings: int = 4096,
-                 speculation: SpeculateConfig | None = None) -> None:
+                 speculation: SpeculateConfig | None = None, prefixes: PrefixCache | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -120,6 +136,7 @@ class CausalLM:
                                           dtype=dtype_name(runner.dtype), kernels=runner.cpu_kernels,
                                           tuning=self.speculation.tuning)
         self._grammars: GrammarCompiler | None = None
+        self.prefixes = prefixes  # reused prompt prefixes (None: every prompt runs whole)
 
     def grammar_compiler(self, limits: GrammarLimits | None = None) -> GrammarCompiler:
         """The model's grammar compiler: its logits width and EOS set (built once, as it reads the
@@ -154,6 +171,7 @@ class CausalLM:
         with clock.stage(Stage.PLAN):
             if not batch.prefilled:
                 self.plan(batch)
+            prefilling = [g for g in batch.groups if g.fresh]
             group_steps = self.group_steps(batch)
         with clock.stage(Stage.FORWARD):
             for group_step in group_steps:
@@ -164,6 +182,7 @@ class CausalLM:
             generations = self.generations(batch, steps)
             self.adapt_drafting(batch, steps)
             generations = self.check_audit_twins(batch, generations)
+            self.keep_prefixes(batch, prefilling, {g.request_id for g in generations if g.generated_text})
         alive = any(not s.finished for s in batch.requests)
         return generations, (batch if alive else None), clock.timings()
 
@@ -179,7 +198,28 @@ class CausalLM:
         if self.planner.monitor is not None:
             add_twins(batch, self.planner.monitor)
             keys.update((s.id, NO_SKIP) for s in batch.requests if s.audit_of is not None)
-        batch.form_groups(keys)
+        if self.prefixes is not None:
+            self.run_shared_prefixes(batch, keys, self.prefixes)
+        batch.form_groups(keys, self.prefixes)
+
+    def run_shared_prefixes(self, batch: CausalLMBatch, keys: dict[int, GroupKey], prefixes: PrefixCache) -> None:
+        """Run once, and cache, the prompt prefixes that requests of a new batch share (a document
+        or a system prompt sent with each), so that their prefill reuses them instead of running
+        them once per row."""
+        prompts: dict[GroupKey, list[list[int]]] = {}
+        for state in batch.requests:
+            if not state.prefill_logprobs:
+                prompts.setdefault(keys[state.id], []).append(state.all_ids[: state.input_length])
+        for key, group in prompts.items():
+            for shared in shared_prefixes(group):
+                hit = prefixes.lookup(key, shared, count=False)
+                if hit is not None and hit.length >= len(shared) - 1:
+                    continue
+                row = PlanGroup.from_prompts(key, [0], [shared], self.runner.num_layers, batch.pad_id, [hit])
+                self.runner.bypassing(key, self.planner.biases).forward(ForwardInputs(*row.forward_inputs()),
+                                                                         row.cache)
+                row.advance([0])
+                prefixes.insert(key, shared, row.row_kv(0))
 
     def speculation_for(self, plan: SkipPlan) -> SpecState | None:
         """A new request's drafters: verified plans draft with their rule's draft model (unless the
@@ -201,7 +241,7 @@ class CausalLM:
         out: list[GroupStep] = []
         for group in batch.groups:
             states = [by_id[rid] for rid in group.request_ids]
-            if group.cache.length and any(s.spec is not None for s in states):
+            if not group.fresh and any(s.spec is not None for s in states):
                 cycle = self.controller.plan_cycle(states)
                 if cycle.drafts_anything:
                     head = self.heads.get(cycle.vocab) if cycle.model_k else None
@@ -220,6 +260,26 @@ class CausalLM:
             self.controller.observe(state)
             if step.drafted and self.controller.record(state, step.source, step.drafted, step.accepted):
                 state.spec.auto_off = True
+
+    def keep_prefixes(self, batch: CausalLMBatch, prefilled: list[PlanGroup], finished: set[int]) -> None:
+        """Copy into the prefix cache the prompt of each request just prefilled and the whole
+        sequence of each request that just `finished` (its answer included, for a chat's next
+        turn). Audit twins and failed requests are not kept."""
+        if self.prefixes is None:
+            return
+        just_prefilled = {rid for g in prefilled for rid in g.request_ids}
+        by_id = {s.id: s for s in batch.requests}
+        for group in batch.groups:
+            for rid in group.request_ids:
+                state = by_id[rid]
+                if state.audit_of is not None or not (rid in finished or rid in just_prefilled and not state.finished):
+                    continue
+                layers = group.row_kv(rid)
+                columns = max((kv[0].shape[1] for kv in layers if kv is not None), default=0)
+                # the cache holds the sequence but its last token (a stop may have cut accepted drafts)
+                n = min(len(state.all_ids), columns)
+                self.prefixes.insert(group.skip, state.all_ids[:n],
+                                     [None if kv is None else (kv[0][:, :n], kv[1][:, :n]) for kv in layers])
 
     def check_audit_twins(self, batch: CausalLMBatch, generations: list[Generation]) -> list[Generation]:
         """Hide the audit twins' generations, settle their comparisons, report the window."""
@@ -281,7 +341,8 @@ class CausalLM:
                     len(state.generated_ids), reason, params.seed if params.sampling else None)
                 break
         report = layer_skip_report(state) if first_step or finished is not None else None
-        return Generation(state.id, tokens, prefill, top, finished, report)
+        return Generation(state.id, tokens, prefill, top, finished, report,
+                          cached_tokens=state.cached_tokens if first_step else None)
 
     def prefill_tokens(self, state: RequestState, logits: torch.Tensor) -> TokenInfo:
         """Logprob of each prompt token given the ones before it (the first is NaN)."""

@@ -64,7 +64,7 @@ class PlainStep:
 
     def __init__(self, runner: Runner, group: PlanGroup, states: list[RequestState], biases: Biases) -> None:
         self.runner, self.group, self.states, self.biases = runner, group, states, biases
-        self.prefill = group.cache.length == 0
+        self.prefill = group.fresh
         self.logits: torch.Tensor | None = None  # [rows, 1 | new, vocab] after `forward`
 
     def forward(self, clock: StageClock) -> None:

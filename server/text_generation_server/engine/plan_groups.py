@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.runner.kv_cache import KVCache
+from ..models.runner.kv_cache import KVCache, round_up
+from .prefix_cache import Hit, LayerKV
 
 GroupKey = frozenset[int]  # the layers bypassed in every forward of a group
 
@@ -39,19 +40,40 @@ class PlanGroup:
     attention_mask: torch.Tensor  # [rows, cache.length]
     pending_ids: torch.Tensor  # [rows, new]
     pending_mask: torch.Tensor  # [rows, new]
+    fresh: bool = True  # not prefilled yet (its cache may already hold cached prompt prefixes)
 
     @classmethod
     def from_prompts(cls, skip: GroupKey, request_ids: list[int], prompts: list[list[int]],
-                     cache: KVCache, pad_id: int) -> PlanGroup:
-        """A group before prefill: prompts left-padded to the longest."""
-        width = max(len(p) for p in prompts)
-        pending_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        pending_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            pending_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            pending_mask[row, width - len(prompt):] = 1
-        empty = torch.zeros((len(prompts), 0), dtype=torch.long)
-        return cls(skip, request_ids, cache, empty, pending_ids, pending_mask)
+                     num_layers: int, pad_id: int, hits: list[Hit | None] | None = None) -> PlanGroup:
+        """A group before prefill. Row r's cached prefix (`hits[r]`, from the prefix cache) is
+        in its KV cache already, right-aligned to the longest; the rest of its prompt is
+        pending, left-padded to the longest rest."""
+        hits = hits or [None] * len(prompts)
+        cached = [h.length if h is not None else 0 for h in hits]
+        past = max(cached)
+        width = max(len(p) - c for p, c in zip(prompts, cached, strict=True))
+        rows = len(prompts)
+        pending_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+        pending_mask = torch.zeros((rows, width), dtype=torch.long)
+        attention_mask = torch.zeros((rows, past), dtype=torch.long)
+        cache = KVCache(num_rows=rows, num_layers=num_layers, length=past)
+        for row, (prompt, hit) in enumerate(zip(prompts, hits, strict=True)):
+            rest = prompt[cached[row]:]
+            pending_ids[row, width - len(rest):] = torch.tensor(rest)
+            pending_mask[row, width - len(rest):] = 1
+            if hit is not None:
+                attention_mask[row, past - hit.length:] = 1
+                _place(cache, row, past, hit.layers, round_up(past + width))
+        return cls(skip, request_ids, cache, attention_mask, pending_ids, pending_mask)
+
+    def row_kv(self, request_id: int) -> list[LayerKV]:
+        """One row's keys and values per layer, `[kv_heads, n, head_dim]` over its n real columns
+        (holes of padding and rejected drafts left out), in the order the tokens came."""
+        row = self.request_ids.index(request_id)
+        columns = self.attention_mask[row].nonzero().squeeze(1)
+        return [None if layer is None else (layer[0][row].index_select(1, columns),
+                                            layer[1][row].index_select(1, columns))
+                for layer in map(self.cache.layer, range(self.cache.num_layers))]
 
     @property
     def num_rows(self) -> int:
@@ -78,7 +100,8 @@ class PlanGroup:
         new_length = mask.shape[1] - int(used.min()) if self.cache.length and used.numel() else 0
         return PlanGroup(self.skip, list(ids), self.cache.select(rows, new_length),
                          mask[:, mask.shape[1] - new_length:],
-                         self.pending_ids.index_select(0, index), self.pending_mask.index_select(0, index))
+                         self.pending_ids.index_select(0, index), self.pending_mask.index_select(0, index),
+                         self.fresh)
 
     def filter(self, keep_ids: list[int]) -> None:
         """Keep the rows of `keep_ids` (in that order), as `select` does, in place."""
@@ -92,7 +115,7 @@ class PlanGroup:
     def concatenate(cls, groups: list[PlanGroup]) -> PlanGroup:
         """Stack prefilled groups of one key, left-padding to the longest."""
         assert len({g.skip for g in groups}) == 1, "only groups with the same skip set concatenate"
-        assert all(g.cache.length for g in groups), "only prefilled groups can be concatenated"
+        assert not any(g.fresh for g in groups), "only prefilled groups can be concatenated"
         length = max(g.cache.length for g in groups)
         masks = [torch.nn.functional.pad(g.attention_mask, (length - g.cache.length, 0)) for g in groups]
         return cls(
@@ -102,6 +125,7 @@ class PlanGroup:
             attention_mask=torch.cat(masks, 0),
             pending_ids=torch.cat([g.pending_ids for g in groups], 0),
             pending_mask=torch.cat([g.pending_mask for g in groups], 0),
+            fresh=False,
         )
 
     def forward_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,6 +137,7 @@ class PlanGroup:
 
     def advance(self, next_ids: list[int]) -> None:
         """After a forward: the pending tokens are in the cache; the chosen ones are next."""
+        self.fresh = False
         self.attention_mask = torch.cat([self.attention_mask, self.pending_mask], 1)
         self.pending_ids = torch.tensor(next_ids, dtype=torch.long).unsqueeze(1)
         self.pending_mask = torch.ones((len(next_ids), 1), dtype=torch.long)
@@ -147,3 +172,18 @@ class PlanGroup:
         self.attention_mask = mask[:, :keep]
         self.pending_ids = torch.tensor([[t] for t in next_ids], dtype=torch.long)
         self.pending_mask = torch.ones((self.num_rows, 1), dtype=torch.long)
+
+
+def _place(cache: KVCache, row: int, end: int, layers: list[LayerKV], capacity: int) -> None:
+    """Write one row's cached keys and values into `cache`, ending at column `end` (buffers
+    allocated with `capacity` columns on first use)."""
+    for i, kv in enumerate(layers):
+        if kv is None:
+            continue
+        k, v = kv
+        if cache.keys[i] is None:
+            heads, _, dim = k.shape
+            cache.keys[i] = k.new_zeros((cache.num_rows, heads, capacity, dim))
+            cache.values[i] = v.new_zeros((cache.num_rows, heads, capacity, dim))
+        cache.keys[i][row, :, end - k.shape[1]:end] = k  # type: ignore[index]
+        cache.values[i][row, :, end - v.shape[1]:end] = v  # type: ignore[index]

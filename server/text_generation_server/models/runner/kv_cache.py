@@ -20,7 +20,7 @@ import torch
 BUCKET = 64  # columns; capacity is always a multiple of it
 
 
-def _round_up(n: int, bucket: int = BUCKET) -> int:
+def round_up(n: int, bucket: int = BUCKET) -> int:
     return max(bucket, (n + bucket - 1) // bucket * bucket)
 
 
@@ -68,7 +68,7 @@ class KVCache:
         k, v = self.keys[index], self.values[index]
         if k is None or v is None or k.shape[2] < end:
             rows, heads, dim = shape
-            capacity = _round_up(end)
+            capacity = round_up(end)
             k = torch.zeros((rows, heads, capacity, dim), dtype=dtype)
             v = torch.zeros((rows, heads, capacity, dim), dtype=dtype)
             old_k, old_v = self.keys[index], self.values[index]
@@ -93,7 +93,7 @@ class KVCache:
             k, v = self.keys[i], self.values[i]
             if k is None or v is None:
                 continue
-            capacity = _round_up(new_length + 1)
+            capacity = round_up(new_length + 1)
             new_k = k.new_zeros((len(rows), k.shape[1], capacity, k.shape[3]))
             new_v = v.new_zeros((len(rows), v.shape[1], capacity, v.shape[3]))
             new_k[:, :, :new_length] = k.index_select(0, index)[:, :, start : self.length]
@@ -122,7 +122,7 @@ class KVCache:
         length = max(c.length for c in caches)
         num_rows = sum(c.num_rows for c in caches)
         out = cls(num_rows=num_rows, num_layers=num_layers, length=length)
-        capacity = _round_up(length + 1)
+        capacity = round_up(length + 1)
         for i in range(num_layers):
             present = [c.keys[i] is not None for c in caches]
             assert all(present) or not any(present), f"layer {i} cached in some batches only"
