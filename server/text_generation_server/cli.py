@@ -164,8 +164,10 @@ def serve(
             from .engine.prefix_cache import PrefixCache
 
             model.prefixes = PrefixCache(env.prefix_cache_mib << 20)
+        model.prefill_chunk = env.prefill_chunk
         logger.info(f"Prefix cache: {f'up to {env.prefix_cache_mib} MiB' if model.prefixes else 'off'} "
-                    f"(PREFIX_CACHING={int(env.prefix_caching)}, PREFIX_CACHE_MIB={env.prefix_cache_mib})")
+                    f"(PREFIX_CACHING={int(env.prefix_caching)}, PREFIX_CACHE_MIB={env.prefix_cache_mib}); "
+                    f"prefill in chunks of {env.prefill_chunk or 'unlimited'} tokens (PREFILL_CHUNK_TOKENS)")
     except ValueError as err:
         logger.error(str(err))
         raise typer.Exit(1) from err

@@ -8,7 +8,8 @@ comes before any model loads, and keeps it for the process.
 Upstream's launcher always sets ATTENTION and PREFIX_CACHING; this backend accepts them and
 defaults them when started by hand. ATTENTION only shapes the Info answer (no paged attention
 here); PREFIX_CACHING=0 turns off the shard's own prefix cache (engine/prefix_cache.py), whose
-size PREFIX_CACHE_MIB sets.
+size PREFIX_CACHE_MIB sets. PREFILL_CHUNK_TOKENS: the prompt tokens one step may prefill (a
+longer prefill runs in chunks between the running requests' steps; 0: at once).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class ShardEnv:
     world_size: int
     watermark: WatermarkConfig = field(default_factory=WatermarkConfig)  # WATERMARK_GAMMA / WATERMARK_DELTA
     prefix_cache_mib: int = 256  # PREFIX_CACHE_MIB: the prefix cache's bytes, in MiB
+    prefill_chunk: int = 512  # PREFILL_CHUNK_TOKENS: prompt tokens a step may prefill (0: no chunks)
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ) -> ShardEnv:
@@ -44,10 +46,12 @@ class ShardEnv:
         prefix = environ.get("PREFIX_CACHING", "1").lower() in ("1", "true")
         watermark = WatermarkConfig(_float(environ, "WATERMARK_GAMMA", DEFAULT_GAMMA),
                                     _float(environ, "WATERMARK_DELTA", DEFAULT_DELTA))
-        mib = _int(environ, "PREFIX_CACHE_MIB", 256)
-        if mib < 0:
-            raise ValueError(f"PREFIX_CACHE_MIB={mib} is negative")
-        return cls(attention, prefix, _int(environ, "RANK", 0), _int(environ, "WORLD_SIZE", 1), watermark, mib)
+        mib, chunk = _int(environ, "PREFIX_CACHE_MIB", 256), _int(environ, "PREFILL_CHUNK_TOKENS", 512)
+        for name, value in (("PREFIX_CACHE_MIB", mib), ("PREFILL_CHUNK_TOKENS", chunk)):
+            if value < 0:
+                raise ValueError(f"{name}={value} is negative")
+        return cls(attention, prefix, _int(environ, "RANK", 0), _int(environ, "WORLD_SIZE", 1), watermark, mib,
+                   chunk)
 
     @property
     def block_size(self) -> int:

@@ -221,10 +221,6 @@ class CausalLMBatch:
         return generate_pb2.CachedBatch(id=self.batch_id, request_ids=ids, size=len(ids),
                                         max_tokens=self.max_tokens, current_tokens=len(ids))
 
-    @property
-    def prefilled(self) -> bool:
-        return bool(self.groups) and not any(g.fresh for g in self.groups)
-
     def filter(self, request_ids: list[int]) -> CausalLMBatch:
         """Keep exactly `request_ids`, in that order; groups left empty are dropped."""
         if not request_ids:
@@ -264,13 +260,18 @@ class CausalLMBatch:
 
     @classmethod
     def concatenate(cls, batches: list[CausalLMBatch]) -> CausalLMBatch:
-        """Stack prefilled batches, merging groups of the same key; keeps the first id."""
-        assert all(b.prefilled for b in batches), "only prefilled batches can be concatenated"
+        """Stack batches that have run a step, merging groups of the same key; a group still
+        prefilling its prompts in chunks stays apart until it has. Keeps the first id."""
+        assert all(b.groups for b in batches), "only batches that ran a step can be concatenated"
         by_key: dict[GroupKey, list[PlanGroup]] = {}
+        prefilling: list[PlanGroup] = []
         for b in batches:
             for g in b.groups:
-                by_key.setdefault(g.skip, []).append(g)
-        groups = [PlanGroup.concatenate(gs) if len(gs) > 1 else gs[0] for gs in by_key.values()]
+                if g.fresh:
+                    prefilling.append(g)
+                else:
+                    by_key.setdefault(g.skip, []).append(g)
+        groups = [PlanGroup.concatenate(gs) if len(gs) > 1 else gs[0] for gs in by_key.values()] + prefilling
         first = batches[0]
         out = cls(first.batch_id, [s for b in batches for s in b.requests], groups, first.num_layers, first.pad_id)
         out.max_tokens = out._estimate_max_tokens()

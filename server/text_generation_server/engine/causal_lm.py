@@ -29,7 +29,7 @@ from ..speculative.state import SpecState
 from ..stopping import FinishReason
 from .audit_check import add_twins, compare_twins
 from .batch import NO_SKIP, CausalLMBatch, RequestState
-from .group_step import GroupStep, PlainStep, RowStep, VerifiedStep
+from .group_step import ChunkStep, GroupStep, PlainStep, RowStep, VerifiedStep
 from .plan_groups import GroupKey, PlanGroup
 from .prefix_cache import MIN_TOKENS, PrefixCache
 from .skip_planner import PolicyState, SkipPlanner
@@ -116,7 +116,8 @@ class CausalLM:
 
     def __init__(self, runner: Runner, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int],
                  planner: SkipPlanner, max_position_embeddings: int = 4096,
-                 speculation: SpeculateConfig | None = None, prefixes: PrefixCache | None = None) -> None:
+                 speculation: SpeculateConfig | None = None, prefixes: PrefixCache | None = None,
+                 prefill_chunk: int = 0) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -137,6 +138,7 @@ class CausalLM:
                                           tuning=self.speculation.tuning)
         self._grammars: GrammarCompiler | None = None
         self.prefixes = prefixes  # reused prompt prefixes (None: every prompt runs whole)
+        self.prefill_chunk = prefill_chunk  # prompt tokens a group's step may run (0: a prefill runs at once)
 
     def grammar_compiler(self, limits: GrammarLimits | None = None) -> GrammarCompiler:
         """The model's grammar compiler: its logits width and EOS set (built once, as it reads the
@@ -169,7 +171,7 @@ class CausalLM:
         """Run one step; returns the generations, the batch to cache (None if all stopped) and timings."""
         clock = StageClock()
         with clock.stage(Stage.PLAN):
-            if not batch.prefilled:
+            if not batch.groups:
                 self.plan(batch)
             prefilling = [g for g in batch.groups if g.fresh]
             group_steps = self.group_steps(batch)
@@ -182,7 +184,8 @@ class CausalLM:
             generations = self.generations(batch, steps)
             self.adapt_drafting(batch, steps)
             generations = self.check_audit_twins(batch, generations)
-            self.keep_prefixes(batch, prefilling, {g.request_id for g in generations if g.generated_text})
+            self.keep_prefixes(batch, [g for g in prefilling if not g.fresh],
+                               {g.request_id for g in generations if g.generated_text})
         alive = any(not s.finished for s in batch.requests)
         return generations, (batch if alive else None), clock.timings()
 
@@ -238,9 +241,14 @@ class CausalLM:
         Groups hold disjoint requests, so every group's step is planned before any forward
         runs, and every forward before any choice, with the same tokens as one group at a time."""
         by_id = {s.id: s for s in batch.requests}
+        audited = {s.audit_of for s in batch.requests if s.audit_of is not None}
         out: list[GroupStep] = []
         for group in batch.groups:
             states = [by_id[rid] for rid in group.request_ids]
+            width = self.chunk_width(group, states, audited)
+            if width:
+                out.append(ChunkStep(self.runner, group, width, self.planner.biases))
+                continue
             if not group.fresh and any(s.spec is not None for s in states):
                 cycle = self.controller.plan_cycle(states)
                 if cycle.drafts_anything:
@@ -250,12 +258,25 @@ class CausalLM:
             out.append(PlainStep(self.runner, group, states, self.planner.biases))
         return out
 
+    def chunk_width(self, group: PlanGroup, states: list[RequestState], audited: set[int]) -> int:
+        """The pending columns a prefilling group runs this step when its prompts are longer than
+        `prefill_chunk` tokens (0: it runs them all and chooses its first tokens). Chunks keep
+        the running requests' steps going while a long prompt is prefilled. A request asking for
+        its prompt's logprobs keeps its group whole (they come from one forward), and so do audit
+        twins and the requests they audit (compared token for token, step by step)."""
+        if not group.fresh or not self.prefill_chunk:
+            return 0
+        if any(s.prefill_logprobs or s.audit_of is not None or s.id in audited for s in states):
+            return 0
+        width = max(self.prefill_chunk // group.num_rows, 1)
+        return width if group.pending_ids.shape[1] > width else 0
+
     def adapt_drafting(self, batch: CausalLMBatch, steps: dict[int, RowStep]) -> None:
         """Count each drafting row's cycle (request and rule) and settle watched copies; a request
         whose model drafting does not pay stops drafting with the model (auto-off)."""
         for state in batch.requests:
-            step = steps[state.id]
-            if state.spec is None or state.finished:
+            step = steps.get(state.id)
+            if step is None or state.spec is None or state.finished:  # None: its prompt is still prefilling
                 continue
             self.controller.observe(state)
             if step.drafted and self.controller.record(state, step.source, step.drafted, step.accepted):
@@ -302,7 +323,7 @@ class CausalLM:
         others go on."""
         out = []
         for state in batch.requests:
-            if state.finished:
+            if state.finished or state.id not in steps:  # not in steps: its prompt is still prefilling
                 continue
             step, error = steps[state.id], steps[state.id].error
             if error is None:

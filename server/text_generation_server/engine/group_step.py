@@ -86,6 +86,22 @@ class PlainStep:
         }
 
 
+class ChunkStep:
+    """A chunk of a long prefill: the group's next `width` prompt columns run and no token is
+    chosen (the prompts' last columns run as a PlainStep, which chooses the first tokens)."""
+
+    def __init__(self, runner: Runner, group: PlanGroup, width: int, biases: Biases) -> None:
+        self.runner, self.group, self.width, self.biases = runner, group, width, biases
+
+    def forward(self, clock: StageClock) -> None:
+        inputs = ForwardInputs(*self.group.forward_inputs(self.width))
+        self.runner.bypassing(self.group.skip, self.biases).forward(inputs, self.group.cache)
+        self.group.advance_chunk(self.width)
+
+    def choose(self) -> dict[int, RowStep]:
+        return {}
+
+
 class VerifiedStep:
     """A draft-verify cycle of a prefilled group: copied drafts where the plan has them, model
     drafts (`cycle.model_k` forwards with the cycle's draft layers bypassed and `head`) for the

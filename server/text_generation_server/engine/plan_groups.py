@@ -40,7 +40,7 @@ class PlanGroup:
     attention_mask: torch.Tensor  # [rows, cache.length]
     pending_ids: torch.Tensor  # [rows, new]
     pending_mask: torch.Tensor  # [rows, new]
-    fresh: bool = True  # not prefilled yet (its cache may already hold cached prompt prefixes)
+    fresh: bool = True  # its prompts are not all in the cache yet (cached prefixes or earlier chunks may be)
 
     @classmethod
     def from_prompts(cls, skip: GroupKey, request_ids: list[int], prompts: list[list[int]],
@@ -98,10 +98,12 @@ class PlanGroup:
         mask = self.attention_mask.index_select(0, index)
         used = mask.any(0).nonzero()
         new_length = mask.shape[1] - int(used.min()) if self.cache.length and used.numel() else 0
+        pending_mask = self.pending_mask.index_select(0, index)
+        pending = pending_mask.any(0).nonzero()  # a prefilling group: drop the columns all padding now
+        start = int(pending.min()) if self.fresh and pending.numel() else 0
         return PlanGroup(self.skip, list(ids), self.cache.select(rows, new_length),
                          mask[:, mask.shape[1] - new_length:],
-                         self.pending_ids.index_select(0, index), self.pending_mask.index_select(0, index),
-                         self.fresh)
+                         self.pending_ids.index_select(0, index)[:, start:], pending_mask[:, start:], self.fresh)
 
     def filter(self, keep_ids: list[int]) -> None:
         """Keep the rows of `keep_ids` (in that order), as `select` does, in place."""
@@ -128,12 +130,18 @@ class PlanGroup:
             fresh=False,
         )
 
-    def forward_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids, position_ids, attention_mask over cache + pending) for the next forward."""
-        mask = torch.cat([self.attention_mask, self.pending_mask], 1)  # [rows, past + new]
-        new = self.pending_ids.shape[1]
-        position_ids = (mask.cumsum(1) - 1).clamp(min=0)[:, -new:]
-        return self.pending_ids, position_ids, mask
+    def forward_inputs(self, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, position_ids, attention_mask over cache + new) for the next forward of the
+        first `width` pending columns (all of them by default; fewer: a chunk of a long prefill)."""
+        width = self.pending_ids.shape[1] if width is None else width
+        mask = torch.cat([self.attention_mask, self.pending_mask[:, :width]], 1)  # [rows, past + new]
+        position_ids = (mask.cumsum(1) - 1).clamp(min=0)[:, -width:]
+        return self.pending_ids[:, :width], position_ids, mask
+
+    def advance_chunk(self, width: int) -> None:
+        """After a chunk of a long prefill: its `width` columns are in the cache, the rest pending."""
+        self.attention_mask = torch.cat([self.attention_mask, self.pending_mask[:, :width]], 1)
+        self.pending_ids, self.pending_mask = self.pending_ids[:, width:], self.pending_mask[:, width:]
 
     def advance(self, next_ids: list[int]) -> None:
         """After a forward: the pending tokens are in the cache; the chosen ones are next."""
