@@ -34,6 +34,7 @@ Tolerances (max abs difference of logits, against TransformersRunner on the same
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -235,8 +236,12 @@ def _teacher_forced(runner: FastLlamaRunner | TransformersRunner, prompts: list[
     return real_positions(logits, prompts)
 
 
-def test_bf16_within_tolerance(model: PreTrainedModel, prompts: list[list[int]]) -> None:
+@pytest.mark.parametrize("bf16_gemm", [True, False], ids=["torch-gemm", "kernel-chunks"])
+def test_bf16_within_tolerance(model: PreTrainedModel, prompts: list[list[int]], bf16_gemm: bool) -> None:
+    """Both prefill paths: torch's bf16 GEMM (CPUs with native bf16) and the kernels in chunks
+    (AVX2 CPUs, where torch's bf16 GEMM is several times slower)."""
     fast = FastLlamaRunner(model, FastRunnerConfig(dtype=torch.bfloat16))
+    fast.dims = dataclasses.replace(fast.dims, bf16_gemm=bf16_gemm)
     fast_logits, ref_logits = _teacher_forced(fast, prompts), _teacher_forced(TransformersRunner(model), prompts)
     diff = (fast_logits - ref_logits).abs().max()
     assert diff <= BF16_TOLERANCE, f"bf16 logits differ from fp32 by {diff}"

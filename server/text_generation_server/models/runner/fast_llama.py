@@ -104,6 +104,9 @@ class Dims:
     eps: float
     gelu: bool
     ops: CpuOps | None = None
+    # torch's bf16 GEMM is native here (avx512_bf16 or AMX); without it (AVX2 CPUs) it is several
+    # times slower than the kernels in chunks, which then take dense bf16 products of any size
+    bf16_gemm: bool = True
 
 
 def linear(x: torch.Tensor, weight: Projection | KernelProjection, bias: torch.Tensor | None,
@@ -118,14 +121,19 @@ def linear(x: torch.Tensor, weight: Projection | KernelProjection, bias: torch.T
             return out.view(*x.shape[:-1], weight.shape[0])
         if dims.ops is not None and x.dtype == weight.dtype and x.dtype in cpu_kernels.DTYPES:
             # more rows (a verification of 17+ activation rows, a prefill's logits): the kernels in chunks
-            out = dims.ops.Projection.dense(weight, bias)(x.reshape(-1, x.shape[-1]), exact)
+            out = dims.ops.Projection.dense(weight, bias)(x.reshape(-1, x.shape[-1]), _chunked(x, dims, exact))
             return out.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     if not isinstance(weight, tuple):  # the kernels' Projection (kernel_weights.py): holds its bias
-        return weight(x.reshape(-1, x.shape[-1]), exact).view(*x.shape[:-1], weight.n)
+        return weight(x.reshape(-1, x.shape[-1]), _chunked(x, dims, exact)).view(*x.shape[:-1], weight.n)
     if len(weight) == 1:  # bitsandbytes module: keeps its own bias and dtype handling
         return weight[0](x).to(x.dtype)
     return torch.cat([module(x) for module in weight], dim=-1).to(x.dtype)
+
+
+def _chunked(x: torch.Tensor, dims: Dims, exact: bool) -> bool:
+    """Whether a kernel product of many rows runs in chunks on the kernels (else torch's GEMM)."""
+    return exact or (x.dtype == torch.bfloat16 and not dims.bf16_gemm)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, dims: Dims) -> torch.Tensor:
@@ -263,7 +271,8 @@ class FastLlamaRunner(Runner):
             self.layers = [kernel_layer(lw, ops, self.dtype, refusals) for lw in self.layers]
             log_refusals(self.name, refusals)
         self.dims = Dims(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
-                         self.spec.rms_norm_eps, self.spec.activation == "gelu_tanh", ops)
+                         self.spec.rms_norm_eps, self.spec.activation == "gelu_tanh", ops,
+                         bf16_gemm=bool(cpu_kernels.cpu_flags() & {"avx512_bf16", "amx_bf16"}))
         logger.info(f"{self.name}: decode hot spots run on "
                     f"{f'the {ops.variant} CPU kernels' if ops is not None else 'torch'}")
         # Decode steps and short multi-token forwards of the Llama family run each layer as one
