@@ -171,10 +171,11 @@ class CausalLM:
         """Run one step; returns the generations, the batch to cache (None if all stopped) and timings."""
         clock = StageClock()
         with clock.stage(Stage.PLAN):
-            if not batch.groups:
+            new = not batch.groups
+            if new:
                 self.plan(batch)
             prefilling = [g for g in batch.groups if g.fresh]
-            group_steps = self.group_steps(batch)
+            group_steps = self.group_steps(batch, defer_chunks=new)
         with clock.stage(Stage.FORWARD):
             for group_step in group_steps:
                 group_step.forward(clock)
@@ -235,11 +236,15 @@ class CausalLM:
             return SpecState(rule=plan.rule, skip=plan.skipped if admitted else frozenset(), vocab=plan.draft.vocab)
         return SpecState(rule=plan.rule) if self.speculation.ngram_for_all else None
 
-    def group_steps(self, batch: CausalLMBatch) -> list[GroupStep]:
-        """One step per plan group: a plain forward, or a draft-verify cycle where rows speculate.
+    def group_steps(self, batch: CausalLMBatch, defer_chunks: bool = False) -> list[GroupStep]:
+        """One step per plan group: a plain forward, a chunk of a long prefill, or a draft-verify
+        cycle where rows speculate.
 
         Groups hold disjoint requests, so every group's step is planned before any forward
-        runs, and every forward before any choice, with the same tokens as one group at a time."""
+        runs, and every forward before any choice, with the same tokens as one group at a time.
+        `defer_chunks` (the step that forms the groups, a Prefill): a group to be prefilled in
+        chunks runs none yet; its first chunk runs in the next step, beside the running batch's,
+        so that a running request waits for one chunk and not for two."""
         by_id = {s.id: s for s in batch.requests}
         audited = {s.audit_of for s in batch.requests if s.audit_of is not None}
         out: list[GroupStep] = []
@@ -247,7 +252,8 @@ class CausalLM:
             states = [by_id[rid] for rid in group.request_ids]
             width = self.chunk_width(group, states, audited)
             if width:
-                out.append(ChunkStep(self.runner, group, width, self.planner.biases))
+                if not defer_chunks:
+                    out.append(ChunkStep(self.runner, group, width, self.planner.biases))
                 continue
             if not group.fresh and any(s.spec is not None for s in states):
                 cycle = self.controller.plan_cycle(states)
