@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
-import time
 from typing import Any
 
 import httpx
 
 # memory.py puts integration-tests/ and integration-tests/router/ on sys.path (via disconnect_load).
 from memory import launcher_flags
-from prefix_chat import LIMITS, manual
+from prefix_chat import LIMITS, manual, stream_chat
 from router_launcher import start_launcher
 
 from text_generation_server.download import QWEN_CODER_05B_ID
@@ -38,34 +36,15 @@ STREAM_TOKENS = 256
 STARTED_AFTER = 16  # A's streamed chunks before B is sent
 
 
-async def stream(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], max_tokens: int,
-                 started: asyncio.Event | None = None) -> list[float]:
-    """Arrival times (perf_counter) of each streamed chunk with content; `started` is set after
-    STARTED_AFTER of them."""
-    body = {"model": "tgi", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    times: list[float] = [time.perf_counter()]
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=1800) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-                times.append(time.perf_counter())
-                if started is not None and len(times) > STARTED_AFTER:
-                    started.set()
-    return times
-
-
 async def measure(url: str) -> dict[str, Any]:
     long_prompt = [{"role": "system", "content": "Answer from the manual.\n" + manual(31, 5)},
                    {"role": "user", "content": "Which service listens on port 8042?"}]
     started = asyncio.Event()
     async with httpx.AsyncClient() as client:
-        a = asyncio.create_task(stream(client, url, STREAM, STREAM_TOKENS, started))
+        a = asyncio.create_task(stream_chat(client, url, STREAM, STREAM_TOKENS, (STARTED_AFTER, started)))
         await started.wait()
-        b = await stream(client, url, long_prompt, 8)
-        a_times = await a
+        b = (await stream_chat(client, url, long_prompt, 8))["times"]
+        a_times = (await a)["times"]
     sent, first = b[0], b[1]
     gaps = [(t1 - t0, t0) for t0, t1 in zip(a_times[1:], a_times[2:], strict=False)]
     during = [g for g, t0 in gaps if t0 < first and t0 + g > sent]

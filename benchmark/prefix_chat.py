@@ -71,27 +71,32 @@ def manual(sections: int, seed: int) -> str:
     return "\n".join(lines)
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]]) -> dict[str, Any]:
-    """One streamed chat completion: time to first content token, total time, the answer."""
-    body = {"model": "tgi", "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True,
+async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]],
+                      max_tokens: int = NEW_TOKENS, started: tuple[int, asyncio.Event] | None = None) -> dict[str, Any]:
+    """One streamed chat completion, greedy: time to first content token, total time, the answer,
+    the arrival time (perf_counter) of every chunk with content after the send time (`times[0]`).
+    `started` (n, event): the event is set once n chunks with content have arrived."""
+    body = {"model": "tgi", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first, text, usage = None, [], None
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as response:
+    times = [time.perf_counter()]
+    text, usage = [], None
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=1800) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
             usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices", []):
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    first = first or time.perf_counter()
-                    text.append(content)
+            contents = [(c.get("delta") or {}).get("content") for c in chunk.get("choices", [])]
+            if any(contents):
+                times.append(time.perf_counter())
+                text += [c for c in contents if c]
+                if started is not None and len(times) > started[0]:
+                    started[1].set()
     end = time.perf_counter()
-    assert first is not None, "no content streamed"
-    return {"ttft_s": first - start, "total_s": end - start, "answer": "".join(text), "usage": usage}
+    assert len(times) > 1, "no content streamed"
+    return {"ttft_s": times[1] - times[0], "total_s": end - times[0], "answer": "".join(text), "usage": usage,
+            "times": times}
 
 
 async def chat(url: str) -> list[dict[str, Any]]:

@@ -33,7 +33,13 @@ def test_kernel_and_policy_variables_and_their_defaults() -> None:
 
 
 def test_shard_env_defaults_and_refusals() -> None:
-    assert ShardEnv.read({}) == ShardEnv("paged", False, 0, 1, WatermarkConfig())
+    assert ShardEnv.read({}) == ShardEnv("paged", True, 0, 1, WatermarkConfig(), 256, 512)
+    off = ShardEnv.read({"PREFIX_CACHING": "0", "PREFIX_CACHE_MIB": "64", "PREFILL_CHUNK_TOKENS": "0"})
+    assert (off.prefix_caching, off.prefix_cache_mib, off.prefill_chunk) == (False, 64, 0)
+    with pytest.raises(ValueError, match="^PREFILL_CHUNK_TOKENS=-1 is negative$"):
+        ShardEnv.read({"PREFILL_CHUNK_TOKENS": "-1"})
+    with pytest.raises(ValueError, match="^PREFIX_CACHE_MIB='lots' is not an integer$"):
+        ShardEnv.read({"PREFIX_CACHE_MIB": "lots"})
     env = ShardEnv.read({"ATTENTION": "flashinfer", "PREFIX_CACHING": "True", "RANK": "0", "WORLD_SIZE": "1",
                          "WATERMARK_GAMMA": "0.25", "WATERMARK_DELTA": ""})
     assert (env.block_size, env.prefix_caching, env.watermark) == (1, True, WatermarkConfig(0.25, 2.0))

@@ -15,7 +15,8 @@ Tensor layout of a group with `rows` rows:
 - `cache`: the KV cache, `cache.length` columns, each row's tokens right-aligned;
 - `attention_mask`: `[rows, cache.length]`, 1 for a real token, 0 for left padding;
 - `pending_ids` / `pending_mask`: `[rows, new]`, the tokens to run next (the prompts at
-  prefill, the last chosen token after), with their mask (padding only at prefill).
+  prefill, less a cached prefix or the chunks already run; the last chosen token after), with
+  their mask (padding only at prefill).
 """
 
 from __future__ import annotations
