@@ -116,8 +116,7 @@ class CausalLM:
 
     def __init__(self, runner: Runner, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int],
                  planner: SkipPlanner, max_position_embeddings: int = 4096,
-                 speculation: SpeculateConfig | None = None, prefixes: PrefixCache | None = None,
-                 prefill_chunk: int = 0) -> None:
+                 speculation: SpeculateConfig | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -137,8 +136,9 @@ class CausalLM:
                                           dtype=dtype_name(runner.dtype), kernels=runner.cpu_kernels,
                                           tuning=self.speculation.tuning)
         self._grammars: GrammarCompiler | None = None
-        self.prefixes = prefixes  # reused prompt prefixes (None: every prompt runs whole)
-        self.prefill_chunk = prefill_chunk  # prompt tokens a group's step may run (0: a prefill runs at once)
+        # set by `serve` from the shard's environment (PREFIX_CACHING, PREFILL_CHUNK_TOKENS)
+        self.prefixes: PrefixCache | None = None  # reused prompt prefixes (None: every prompt runs whole)
+        self.prefill_chunk = 0  # prompt tokens a group's step may run (0: a prefill runs at once)
 
     def grammar_compiler(self, limits: GrammarLimits | None = None) -> GrammarCompiler:
         """The model's grammar compiler: its logits width and EOS set (built once, as it reads the

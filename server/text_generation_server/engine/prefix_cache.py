@@ -68,10 +68,8 @@ class Hit:
 class PrefixStats:
     """Counters since start."""
 
-    lookups: int = 0
     hits: int = 0
     hit_tokens: int = 0
-    prompt_tokens: int = 0
     evicted_tokens: int = 0
 
 
@@ -105,9 +103,6 @@ class PrefixCache:
     def lookup(self, skip: frozenset[int], prompt: list[int], count: bool = True) -> Hit | None:
         """The longest cached prefix of `prompt` (all but its last token at most), or None.
         `count`: whether the lookup counts in `stats` (a prompt's, not the shard's own)."""
-        if count:
-            self.stats.lookups += 1
-            self.stats.prompt_tokens += len(prompt)
         path, length = self._walk(skip, prompt[:-1])
         if not length:
             return None
