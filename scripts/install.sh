@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the fork into one virtual environment: the only install procedure of the image.
-# The Dockerfile runs it, and integration-tests/deploy/test_install_script.py runs it into a fresh venv
-# (no Docker engine is needed to exercise these steps).
+# The Dockerfile runs it (integration-tests/deploy/test_image.py builds that image and serves
+# from it); it also installs into any venv on a Debian-like host.
 #
 #   scripts/install.sh [--convert-default-model] <venv>
 #
@@ -11,10 +11,12 @@
 #                            the result serves it offline without a first-start conversion
 #
 # Environment:
-#   TORCH_VERSION  torch release to install (default 2.13.0). pip takes whatever build of it
-#                  the configured indexes offer: in the Docker build that is PyPI's default
-#                  Linux wheel (CUDA-capable, runs on CPU too); on the development machines
-#                  pip's find-links holds the CPU build, so no CUDA wheel is ever pulled there.
+#   TORCH_VERSION  torch release to install (default 2.13.0).
+#   TORCH_INDEX_URL  an index offering torch's CPU build (the image's default is PyTorch's
+#                  https://download.pytorch.org/whl/cpu), searched for torch beside PyPI; its
+#                  `+cpu` local version outranks PyPI's CUDA build of the same release. Unset, pip
+#                  takes what the configured indexes offer: on the development machines pip's
+#                  find-links holds the CPU build, so no CUDA wheel is ever pulled there.
 #   PYTHON         interpreter used to create the venv (default python3)
 #   PIP_FLAGS      extra flags for every pip install (e.g. --no-compile, --no-cache-dir)
 set -euo pipefail
@@ -39,7 +41,11 @@ pip_install() {
 }
 
 # torch first and pinned in every later step, so no dependency resolution replaces it.
-pip_install "torch==$TORCH_VERSION"
+torch_index=()
+if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    torch_index=(--extra-index-url "$TORCH_INDEX_URL")
+fi
+pip_install "${torch_index[@]}" "torch==$TORCH_VERSION"
 # Both distributions from this checkout; the bnb extra brings bitsandbytes (int8/nf4/fp4).
 pip_install "torch==$TORCH_VERSION" "$ROOT/server[bnb]" "$ROOT/router"
 # The grammar engine: xgrammar's wheel requires triton (1 GB, GPU-only, unused here); it runs
