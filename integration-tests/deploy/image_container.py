@@ -86,19 +86,21 @@ class ImageServer:
         text, _, code = done.stdout.rpartition("\n")
         return int(code or 0), text
 
-    def processes(self) -> list[tuple[int, str]]:
-        """(uid, command line) of every process in the namespace."""
-        rows = [run("ps", "-o", "uid=,args=", "-p", str(pid)).split(None, 1) for pid in self.pids()]
-        return [(int(uid), args.strip()) for uid, args in rows]
+    def processes(self) -> list[tuple[int, int, str]]:
+        """(pid, uid, command line) of every process in the namespace."""
+        rows = [(pid, run("ps", "-o", "uid=,args=", "-p", str(pid)).split(None, 1)) for pid in self.pids()]
+        return [(pid, int(uid), args.strip()) for pid, (uid, args) in rows]
 
     def pids(self) -> list[int]:
         return [int(p) for p in run("ip", "netns", "pids", self.netns).split()]
 
     def stop(self) -> None:
-        """SIGTERM to every process in the namespace (the launcher drains and stops its shard), SIGKILL
-        after 90 s; then the container and namespace go."""
-        for sig, wait_s in ((signal.SIGTERM, 90), (signal.SIGKILL, 30)):
-            for pid in self.pids():
+        """As `docker stop`: SIGTERM to the entrypoint (the launcher drains, then stops its router and
+        shard), SIGKILL to whatever is left after 90 s; then the container and namespace go."""
+        launcher = [pid for pid, _, args in self.processes() if not args.startswith("buildah")
+                    and any(word.endswith("text-generation-launcher") for word in args.split()[:2])]
+        for sig, pids, wait_s in ((signal.SIGTERM, launcher, 90), (signal.SIGKILL, None, 30)):
+            for pid in self.pids() if pids is None else pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
             deadline = time.monotonic() + wait_s
