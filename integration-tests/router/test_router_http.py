@@ -217,6 +217,11 @@ def test_metrics_move_with_traffic(server: Launcher) -> None:
         assert metric(after, series) - metric(before, series) >= delta, series
     assert "# TYPE tgi_request_count counter" in after
     assert metric(after, "tgi_batch_max_total_tokens") == 16000
+    # The shard's memory by part (extension): set at warm-up, its serving parts after every step.
+    memory = {part: metric(after, f'tgi_shard_memory_bytes{{part="{part}"}}')
+              for part in ("embeddings", "layers", "kv", "prefix_cache", "resident", "peak", "other")}
+    assert memory["layers"] > 100 * 2**20 and memory["embeddings"] > 10 * 2**20, memory
+    assert memory["peak"] >= memory["resident"] > memory["layers"] + memory["embeddings"], memory
 
 
 def test_info_routes_tokenize_and_completions(server: Launcher) -> None:

@@ -84,6 +84,7 @@ async def serve(config: RouterConfig) -> None:
     metrics = build_metrics(limits.max_input_tokens, limits.max_total_tokens)
     metrics.batch_max_total_tokens.set(limits.max_batch_total_tokens)
     metrics.layer_skip.set_policy(shard.layer_skip_policy_state, shard.layer_skip_mode)
+    metrics.set_shard_memory(shard.memory)
     queue = Queue()
     health = Health()
     request_limits = Limits(

@@ -26,6 +26,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 from loguru import logger
 
+from .engine import memory
 from .engine.batch import CausalLMBatch, grammar_from_pb
 from .engine.batch_cache import Cache
 from .engine.causal_lm import CausalLM, Generation, TokenInfo
@@ -192,7 +193,10 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         max_input = max_input if max_input is not None else max_total - 1
         self.max_input_tokens = max_input
         logger.info(f"Warmup done: {padded_tokens} padded tokens, max_input={max_input}, max_total={max_total}")
-        return generate_pb2.WarmupResponse(max_input_tokens=max_input, max_total_tokens=max_total)
+        found = self.model.memory(self.cache.batches.values())
+        logger.info(f"Memory after warm-up: {memory.describe(found)}")
+        return generate_pb2.WarmupResponse(max_input_tokens=max_input, max_total_tokens=max_total,
+                                           memory_bytes=found)
 
     def _from_pb(self, pb: generate_pb2.Batch) -> CausalLMBatch:
         return CausalLMBatch.from_pb(pb, self.model.tokenizer, self.model.runner.num_layers,
@@ -279,6 +283,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             out.batch.CopyFrom(next_batch.to_pb())
         if concat_ns is not None:
             out.concat_ns = concat_ns
+        out.memory_bytes.update(memory.serving(self.cache.batches.values(), self.model.prefixes))
         out.total_ns = time.perf_counter_ns() - start_ns
         return out
 

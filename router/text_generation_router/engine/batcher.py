@@ -211,6 +211,7 @@ class Batcher:
         m.batch_decode_duration.labels(method=method).observe(result.decode_ns / 1e9)
         if result.concat_ns is not None:
             m.batch_concat_duration.labels(method="decode").observe(result.concat_ns / 1e9)
+        m.set_shard_memory(result.memory)
 
     async def _follow_up(
         self, method: str, batch: CachedBatch | None, entries: dict[int, Entry]

@@ -8,7 +8,7 @@ channel reports UNAVAILABLE, because an idle unix channel can drop its connectio
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -147,8 +147,10 @@ class StepResult:
         total_ns: int,
         concat_ns: int | None,
         request_errors: list[tuple[int, str]],
+        memory: dict[str, int],
     ) -> None:
         self.generations = generations
+        self.memory = memory  # bytes by part, summed over shards (extension; empty from upstream's shard)
         self.request_errors = request_errors  # (request id, message) refused alone
         self.batch = batch
         self.forward_ns = forward_ns
@@ -168,4 +170,14 @@ def _merge(answers: list[pb.PrefillResponse] | list[pb.DecodeResponse]) -> StepR
         total_ns=first.total_ns,
         concat_ns=first.concat_ns if first.HasField("concat_ns") else None,
         request_errors=[(e.request_id, e.message) for answer in answers for e in answer.request_errors],
+        memory=memory_bytes(answers),
     )
+
+
+def memory_bytes(answers: Sequence[pb.PrefillResponse | pb.DecodeResponse | pb.WarmupResponse]) -> dict[str, int]:
+    """The shards' `memory_bytes` extension, summed by part."""
+    total: dict[str, int] = {}
+    for answer in answers:
+        for part, value in answer.memory_bytes.items():
+            total[part] = total.get(part, 0) + value
+    return total

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loguru import logger
 
 from text_generation_router.config import RouterConfig, ServingLimits
-from text_generation_router.engine.client import ShardClient
+from text_generation_router.engine.client import ShardClient, memory_bytes
 from text_generation_router.engine.dispatch import WarmupResponse, build_warmup_batch, warmup_request
 
 
@@ -24,6 +24,7 @@ class ShardInfo:
     runner: str
     layer_skip_mode: str
     layer_skip_policy_state: str = "none"
+    memory: dict[str, int] = field(default_factory=dict)  # bytes by part after warm-up (extension)
 
 
 def limits_from_warmup(
@@ -73,12 +74,13 @@ async def handshake(config: RouterConfig) -> tuple[ShardClient, ShardInfo, Servi
     )
     request = warmup_request(batch, config.max_batch_prefill_tokens, config.max_input_tokens,
                              config.max_total_tokens)
-    limits = limits_from_warmup(config, await client.warmup(request), info.support_chunking)
+    answers = await client.warmup(request)
+    limits = limits_from_warmup(config, answers, info.support_chunking)
     shard = ShardInfo(
         requires_padding=info.requires_padding, dtype=info.dtype, device_type=info.device_type,
         speculate=info.speculate, support_chunking=info.support_chunking,
         block_size=info.block_size, runner=info.runner, layer_skip_mode=info.layer_skip_mode,
-        layer_skip_policy_state=info.layer_skip_policy_state,
+        layer_skip_policy_state=info.layer_skip_policy_state, memory=memory_bytes(answers),
     )
     logger.info("Warmup done: {}", limits)
     return client, shard, limits

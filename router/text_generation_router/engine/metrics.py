@@ -76,6 +76,11 @@ class Metrics:
     batch_concat: Gauge
     batch_concat_duration: Histogram
     layer_skip: LayerSkipMetrics
+    shard_memory: Gauge  # bytes by part, summed over shards (extension)
+
+    def set_shard_memory(self, found: dict[str, int]) -> None:
+        for part, value in found.items():
+            self.shard_memory.labels(part=part).set(value)
 
 
 def build_metrics(max_input_tokens: int, max_total_tokens: int) -> Metrics:
@@ -143,4 +148,6 @@ def build_metrics(max_input_tokens: int, max_total_tokens: int) -> Metrics:
         batch_concat=_counter("tgi_batch_concat", "New batch admissions", ("reason",), registry=r),
         batch_concat_duration=duration("tgi_batch_concat_duration", "Concat", method),
         layer_skip=LayerSkipMetrics.build(r, COUNTER_NAMES),
+        shard_memory=Gauge("tgi_shard_memory_bytes", "Shard memory by part: weights by kind, drafts, kv, "
+                           "prefix_cache, resident, peak, other (extension)", ("part",), registry=r),
     )

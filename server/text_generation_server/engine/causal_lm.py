@@ -9,6 +9,7 @@ dataclasses; the servicer turns them into protobuf.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ from ..speculative.cost_model import DraftKey, LazyCosts
 from ..speculative.draft_head import DraftHeads
 from ..speculative.state import SpecState
 from ..stopping import FinishReason
+from . import memory
 from .audit_check import add_twins, compare_twins
 from .batch import NO_SKIP, CausalLMBatch, RequestState
 from .group_step import ChunkStep, GroupStep, PlainStep, RowStep, VerifiedStep
@@ -139,6 +141,11 @@ class CausalLM:
         # set by `serve` from the shard's environment (PREFIX_CACHING, PREFILL_CHUNK_TOKENS)
         self.prefixes: PrefixCache | None = None  # reused prompt prefixes (None: every prompt runs whole)
         self.prefill_chunk = 0  # prompt tokens a group's step may run (0: a prefill runs at once)
+
+    def memory(self, batches: Iterable[CausalLMBatch]) -> dict[str, int]:
+        """Where the shard's memory goes, by part (engine/memory.py), with `batches` live."""
+        parts = {**self.runner.memory_parts(), "draft_heads": self.heads, "planner": self.planner}
+        return memory.account(parts, batches, self.prefixes)
 
     def grammar_compiler(self, limits: GrammarLimits | None = None) -> GrammarCompiler:
         """The model's grammar compiler: its logits width and EOS set (built once, as it reads the

@@ -323,7 +323,14 @@ class PrefillRequest(_message.Message):
     def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., per_request_errors: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns", "request_errors")
+    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns", "request_errors", "memory_bytes")
+    class MemoryBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +338,7 @@ class PrefillResponse(_message.Message):
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     CONCAT_NS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     forward_ns: int
@@ -338,7 +346,8 @@ class PrefillResponse(_message.Message):
     total_ns: int
     concat_ns: int
     request_errors: _containers.RepeatedCompositeFieldContainer[RequestError]
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
+    memory_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("batches", "per_request_errors")
@@ -349,7 +358,14 @@ class DecodeRequest(_message.Message):
     def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., per_request_errors: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns", "request_errors")
+    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns", "request_errors", "memory_bytes")
+    class MemoryBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +373,7 @@ class DecodeResponse(_message.Message):
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     CONCAT_NS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     forward_ns: int
@@ -364,7 +381,8 @@ class DecodeResponse(_message.Message):
     total_ns: int
     concat_ns: int
     request_errors: _containers.RepeatedCompositeFieldContainer[RequestError]
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
+    memory_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
     __slots__ = ("batch", "max_input_tokens", "max_prefill_tokens", "max_total_tokens")
@@ -379,11 +397,20 @@ class WarmupRequest(_message.Message):
     def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., max_input_tokens: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
-    __slots__ = ("max_supported_total_tokens", "max_input_tokens", "max_total_tokens")
+    __slots__ = ("max_supported_total_tokens", "max_input_tokens", "max_total_tokens", "memory_bytes")
+    class MemoryBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MAX_SUPPORTED_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_supported_total_tokens: int
     max_input_tokens: int
     max_total_tokens: int
-    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ...) -> None: ...
+    memory_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, max_supported_total_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...

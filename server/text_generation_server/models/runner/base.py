@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -98,6 +98,11 @@ class Runner(ABC):
     def bypassing(self, skip: frozenset[int], biases: Mapping[int, torch.Tensor] | None = None) -> Model:
         """The model with `skip` bypassed (a lossy plan); itself when nothing is skipped."""
         return self if not skip else RunnerView(self, LayerPath(skip, biases))
+
+    def memory_parts(self) -> dict[str, Any]:
+        """What holds this runner's tensors, by part, for memory accounting (engine/memory.py:
+        the first part that reaches a tensor counts it)."""
+        return {"weights": self}
 
     def draft_model(self, skip: frozenset[int], head: torch.Tensor | None = None,
                     biases: Mapping[int, torch.Tensor] | None = None) -> Model:

@@ -459,7 +459,16 @@ void tgi_define_module(pybind11::module_& module) {
       .def("__call__", &Projection::operator(), "x [m, k] -> [m, n]", py::arg("x"), py::arg("exact") = false)
       .def_readonly("n", &Projection::n)
       .def_readonly("k", &Projection::k)
-      .def_property_readonly("nbytes", &Projection::nbytes, "bytes one product reads: weights, scales, bias");
+      .def_property_readonly("nbytes", &Projection::nbytes, "bytes one product reads: weights, scales, bias")
+      .def_property_readonly(
+          "tensors",
+          [](const Projection& p) {
+            std::vector<Tensor> held;
+            for (const Tensor* t : {&p.weight, &p.absmax, &p.table, &p.scales, &p.row_sums, &p.bias, &p.bias32})
+              if (t->defined()) held.push_back(*t);
+            return held;
+          },
+          "the tensors it holds (memory accounting)");
   module.def("small_m_linear", &small_m_linear, "y = x @ weight.T (+ bias) for 1..16 rows of x");
   module.def("rms_norm", &rms_norm, "transformers' RMSNorm in one pass (fp32 math)");
   module.def("decode_attention", &decode_attention, "attention of a few new queries per row against the cache");

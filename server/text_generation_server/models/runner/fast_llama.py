@@ -305,6 +305,12 @@ class FastLlamaRunner(Runner):
         if config.compile:
             self._compile()
 
+    def memory_parts(self) -> dict[str, Any]:
+        # "runner": what else it holds (rope tables; the unfused dense layers kept for int8 drafts)
+        return {"embeddings": self.embed, "lm_head": [self.lm_head, self.head_projection],
+                "layers": [self.layers, self._fused_layers, self.final_norm],
+                "drafts": [self._draft_layers, self._draft_heads], "runner": self}
+
     def _dense(self) -> bool:
         """Whether every projection is a plain weight (no bitsandbytes modules)."""
         return all(isinstance(w, torch.Tensor) for w in (*self.layers[0].pre, *self.layers[0].post) if w is not None)

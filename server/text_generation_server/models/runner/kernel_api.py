@@ -13,6 +13,7 @@ class Projection(Protocol):
     n: int
     k: int
     nbytes: int  # what one product reads: weights (codes), scales or absmax blocks, bias
+    tensors: list[torch.Tensor]  # the tensors it holds (memory accounting)
 
     def __call__(self, x: torch.Tensor, /, exact: bool = False) -> torch.Tensor:
         """x `[m, k]` -> `[m, n]` (1..16 rows on the kernels; more in chunks of 16 on the kernels
