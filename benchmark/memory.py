@@ -71,7 +71,8 @@ def launcher_flags(model: str, config: str) -> list[str]:
 
 
 def ours(model: str, config: str) -> dict[str, Any]:
-    launcher = start_launcher(launcher_flags(model, config), "memory")
+    # the router's warm-up prefills 7,680 tokens: minutes on quantized weights
+    launcher = start_launcher(launcher_flags(model, config), "memory", startup_timeout_s=900)
     try:
         answer = httpx.post(f"{launcher.url}/v1/chat/completions", json=REQUEST, timeout=600)
         answer.raise_for_status()

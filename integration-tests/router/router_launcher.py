@@ -48,7 +48,7 @@ class Launcher:
         return int(self.proc.returncode)
 
 
-def start_launcher(extra: list[str], name: str) -> Launcher:
+def start_launcher(extra: list[str], name: str, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Launcher:
     """Start the launcher and wait until POST / answers (as upstream's tests do)."""
     port = free_port()
     uds = f"/tmp/tgi-router-tests-{name}-{os.getpid()}"
@@ -63,7 +63,7 @@ def start_launcher(extra: list[str], name: str) -> Launcher:
                                 start_new_session=True)
     launcher = Launcher(proc, port, uds, log_path, prometheus_port)
     try:
-        wait_healthy(proc, launcher.url, log_path, STARTUP_TIMEOUT_S)
+        wait_healthy(proc, launcher.url, log_path, startup_timeout_s)
     except RuntimeError:
         launcher.stop()
         raise

@@ -193,6 +193,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         max_input = max_input if max_input is not None else max_total - 1
         self.max_input_tokens = max_input
         logger.info(f"Warmup done: {padded_tokens} padded tokens, max_input={max_input}, max_total={max_total}")
+        memory.release_free_memory()
         found = self.model.memory(self.cache.batches.values())
         logger.info(f"Memory after warm-up: {memory.describe(found)}")
         return generate_pb2.WarmupResponse(max_input_tokens=max_input, max_total_tokens=max_total,

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import torch
 
 from text_generation_server.engine.batch import CausalLMBatch
-from text_generation_server.engine.causal_lm import PROMPT_LOGPROB_ROWS, CausalLM
+from text_generation_server.engine.causal_lm import CausalLM
 from text_generation_server.engine.skip_planner import LayerSkipConfig, SkipPlanner
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
 from text_generation_server.models.runner import build_runner
+from text_generation_server.models.runner.base import SCORED_ROWS, ForwardInputs
 from text_generation_server.pb import generate_pb2
 from text_generation_server.sampling import NextTokenChooser, SamplingParams
 from text_generation_server.stopping import FinishReason, StoppingCriteria
@@ -123,15 +124,22 @@ def _batch(lm: CausalLM, requests: list[generate_pb2.Request]) -> CausalLMBatch:
     return CausalLMBatch.from_pb(make_batch(1, requests), lm.tokenizer, lm.runner.num_layers, lm.eos_token_ids, 1000)
 
 
-def test_prompt_logprobs_of_a_long_prompt_are_taken_in_blocks(model_path: Path) -> None:
-    """Block by block (no [prompt, vocab] copy), yet the same values as one log_softmax over the
-    whole prompt, padding rows on the left ignored."""
+def test_prompt_logprobs_are_scored_a_block_of_positions_at_a_time(model_path: Path) -> None:
+    """The scored forward runs the head a block of positions at a time (no [rows, prompt, vocab]
+    logits), yet gives what one log_softmax over every position's logits gives, and the same last
+    logits; the prompt's logprobs are read right-aligned, left padding ignored."""
     lm = _lm(model_path)
-    generator = torch.Generator().manual_seed(0)
-    n, vocab = 2 * PROMPT_LOGPROB_ROWS + 37, lm.runner.vocab_size
-    ids = torch.randint(0, vocab, (n,), generator=generator).tolist()
-    logits = torch.randn((n + 3, vocab), generator=generator) * 4  # 3 rows of left padding first
-    info = lm.prefill_tokens(SimpleNamespace(input_length=n, all_ids=[*ids, 7]), logits)  # type: ignore[arg-type]
-    whole = logits[3:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
-    assert info.ids == ids and math.isnan(info.logprobs[0]) and len(info.logprobs) == n
-    assert info.logprobs[1:] == whole.tolist()
+    rows, new = 2, SCORED_ROWS + 37  # three blocks of SCORED_ROWS // rows positions
+    ids = torch.randint(0, lm.runner.vocab_size, (rows, new), generator=torch.Generator().manual_seed(0))
+    targets = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+    whole = lm.runner.forward(ForwardInputs.contiguous(ids, last_only=False), lm.runner.new_cache(rows))
+    expected = whole.log_softmax(-1).gather(2, targets[:, :, None]).squeeze(2)
+    last, scores = lm.runner.forward_scored(ForwardInputs.contiguous(ids), lm.runner.new_cache(rows), targets)
+    torch.testing.assert_close(scores, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(last, whole[:, -1:], atol=1e-4, rtol=0)
+
+    n = new - 3  # the second row's prompt after 3 columns of left padding
+    prompt = ids[1, 3:].tolist()
+    info = lm.prefill_tokens(SimpleNamespace(input_length=n, all_ids=[*prompt, 7]), scores[1])  # type: ignore[arg-type]
+    assert info.ids == prompt and math.isnan(info.logprobs[0]) and len(info.logprobs) == n
+    assert info.logprobs[1:] == scores[1, 3:-1].tolist()

@@ -37,7 +37,6 @@ from .prefix_cache import MIN_TOKENS, PrefixCache
 from .skip_planner import PolicyState, SkipPlanner
 from .step_timing import Stage, StageClock, StepTimings
 
-PROMPT_LOGPROB_ROWS = 256  # prompt positions whose log_softmax is taken at once
 SHARED_PREFIX_TOKENS = 64  # prompts of one batch sharing at least this many first tokens run them once
 
 
@@ -352,7 +351,7 @@ class CausalLM:
     def request_generation(self, state: RequestState, step: RowStep) -> Generation:
         """Record the step's tokens one by one, detokenizing and checking stopping after each."""
         first_step = not state.generated_ids
-        prompt = step.prompt_logits
+        prompt = step.prompt_logprobs
         prefill = self.prefill_tokens(state, prompt) if prompt is not None and first_step else None
         tokens, top, finished = TokenInfo(), [], None
         for i, (token_id, logprob) in enumerate(zip(step.token_ids, step.logprobs, strict=True)):
@@ -378,18 +377,12 @@ class CausalLM:
         return Generation(state.id, tokens, prefill, top, finished, report,
                           cached_tokens=state.cached_tokens if first_step else None)
 
-    def prefill_tokens(self, state: RequestState, logits: torch.Tensor) -> TokenInfo:
-        """Logprob of each prompt token given the ones before it (the first is NaN)."""
+    def prefill_tokens(self, state: RequestState, scores: torch.Tensor) -> TokenInfo:
+        """Logprob of each prompt token given the ones before it (the first is NaN), from the
+        step's scores (`[new]`, the prompt right-aligned, each position scoring the next token)."""
         n = state.input_length
         prompt_ids = state.all_ids[:n]
-        positions = logits[-n:-1]  # [n - 1, vocab]: right-aligned real positions, each scoring the next token
-        targets = torch.tensor(prompt_ids[1:], dtype=torch.long)
-        values: list[float] = []
-        # log_softmax row block by row block: a whole prompt's [n, vocab] copy would double the
-        # logits' memory (gigabytes for a long prompt over a large vocabulary)
-        for start in range(0, n - 1, PROMPT_LOGPROB_ROWS):
-            block = positions[start:start + PROMPT_LOGPROB_ROWS].log_softmax(-1)
-            values += block.gather(1, targets[start:start + PROMPT_LOGPROB_ROWS, None]).squeeze(1).tolist()
+        values = scores[len(scores) - n:-1].tolist()
         texts = [self.token_text(i) for i in prompt_ids]
         return TokenInfo(prompt_ids, [math.nan, *values], texts, [i in self.special_ids for i in prompt_ids])
 

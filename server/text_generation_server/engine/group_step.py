@@ -32,7 +32,8 @@ class RowStep:
     Attributes:
         token_ids / logprobs: the chosen tokens, in order (several in verified mode).
         logits: `[len(token_ids), vocab]` the (full-model) logits each token was chosen from.
-        prompt_logits: `[prompt, vocab]` at prefill, when prompt logprobs were asked for.
+        prompt_logprobs: `[new]` at prefill, when prompt logprobs were asked for: each position's
+            log-probability of the next prompt token (the row's prompt is right-aligned).
         drafted / accepted: draft tokens proposed and kept (verified mode).
         source: the drafter of this step's drafts ("model" or "ngram").
         error: the request failed alone in this step (its message); its token is a placeholder.
@@ -41,7 +42,7 @@ class RowStep:
     token_ids: list[int]
     logprobs: list[float]
     logits: torch.Tensor
-    prompt_logits: torch.Tensor | None = None
+    prompt_logprobs: torch.Tensor | None = None
     drafted: int = 0
     accepted: int = 0
     source: str = "model"
@@ -65,12 +66,18 @@ class PlainStep:
     def __init__(self, runner: Runner, group: PlanGroup, states: list[RequestState], biases: Biases) -> None:
         self.runner, self.group, self.states, self.biases = runner, group, states, biases
         self.prefill = group.fresh
-        self.logits: torch.Tensor | None = None  # [rows, 1 | new, vocab] after `forward`
+        self.logits: torch.Tensor | None = None  # [rows, 1, vocab] after `forward`
+        self.scores: torch.Tensor | None = None  # [rows, new]: prompt logprobs, where asked for
 
     def forward(self, clock: StageClock) -> None:
-        all_positions = self.prefill and any(s.prefill_logprobs for s in self.states)
-        inputs = ForwardInputs(*self.group.forward_inputs(), last_only=not all_positions)
-        self.logits = self.runner.bypassing(self.group.skip, self.biases).forward(inputs, self.group.cache)
+        inputs = ForwardInputs(*self.group.forward_inputs())
+        model = self.runner.bypassing(self.group.skip, self.biases)
+        if self.prefill and any(s.prefill_logprobs for s in self.states):
+            ids = inputs.input_ids  # each position scores the next column (the last one: a placeholder)
+            self.logits, self.scores = model.forward_scored(inputs, self.group.cache,
+                                                            torch.cat([ids[:, 1:], ids[:, -1:]], dim=1))
+        else:
+            self.logits = model.forward(inputs, self.group.cache)
 
     def choose(self) -> dict[int, RowStep]:
         logits = self.logits
@@ -81,7 +88,8 @@ class PlainStep:
         self.group.advance([token for token, _ in choices])
         return {
             s.id: RowStep([token], [logprob], last[row : row + 1],
-                          logits[row] if self.prefill and s.prefill_logprobs else None, error=failures.get(row))
+                          self.scores[row] if self.scores is not None and s.prefill_logprobs else None,
+                          error=failures.get(row))
             for row, (s, (token, logprob)) in enumerate(zip(states, choices, strict=True))
         }
 

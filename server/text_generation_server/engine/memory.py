@@ -8,10 +8,14 @@ peak (VmHWM), what no tensor explains is `other`: the Python runtime, torch's an
 libraries' code and data, the allocator's slack, a tensor no part reaches.
 
 `serving` is the cheap part reported with every step: KV, prefix cache, resident.
+`release_free_memory` hands glibc's freed heap pages back to the system (after the warm-up's
+peak, which would otherwise stay resident).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import types
 from collections.abc import Iterable
 from pathlib import Path
@@ -66,6 +70,14 @@ def process_memory() -> dict[str, int]:
             if key in ("VmRSS", "VmHWM"):
                 found["resident" if key == "VmRSS" else "peak"] = int(value.split()[0]) * 1024
     return found
+
+
+def release_free_memory() -> None:
+    """`malloc_trim(0)`: every arena's free pages back to the system (nothing elsewhere than glibc)."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim(0)
 
 
 def kv_bytes(batches: Iterable[CausalLMBatch]) -> int:

@@ -9,8 +9,8 @@ is the full model; a lossy plan's bypass (`bypassing`) and a verified-mode draft
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -65,11 +65,31 @@ class LayerPath:
 FULL = LayerPath()
 
 
+SCORED_ROWS = 256  # positions (over all rows) whose logits exist at once while scoring
+
+
+def score_positions(logits_of: Callable[[int, int], torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """`[rows, new]` float32: at each position the log-probability of `targets` there, from the
+    logits of positions `start:stop` (`logits_of(start, stop)`, `[rows, stop - start, vocab]`),
+    taken a block of positions at a time so that no `[rows, new, vocab]` tensor is held."""
+    rows, new = targets.shape
+    step = max(1, SCORED_ROWS // rows)
+    blocks = [logits_of(start, min(start + step, new)).log_softmax(-1)
+              .gather(2, targets[:, start:start + step, None]).squeeze(2) for start in range(0, new, step)]
+    return torch.cat(blocks, dim=1).float()
+
+
 class Model(Protocol):
     """Anything with a forward: a runner (the full model) or a view of it."""
 
     def forward(self, inputs: ForwardInputs, cache: KVCache) -> torch.Tensor:
         """Run the new tokens, append their keys/values to `cache` and advance it; float32 logits."""
+        ...
+
+    def forward_scored(self, inputs: ForwardInputs, cache: KVCache,
+                       targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the last position's logits (`[rows, 1, vocab]`), and each position's
+        log-probability of `targets [rows, new]` (a prompt's next tokens: its prompt logprobs)."""
         ...
 
 
@@ -94,6 +114,17 @@ class Runner(ABC):
     def forward(self, inputs: ForwardInputs, cache: KVCache) -> torch.Tensor:
         """The full model's forward (see Model.forward)."""
         return self.run(inputs, cache, FULL)
+
+    def forward_scored(self, inputs: ForwardInputs, cache: KVCache,
+                       targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.run_scored(inputs, cache, FULL, targets)
+
+    def run_scored(self, inputs: ForwardInputs, cache: KVCache, path: LayerPath,
+                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_scored` along `path`. This one holds every position's logits at once; a runner
+        that can compute the head from hidden states a block at a time overrides it."""
+        logits = self.run(replace(inputs, last_only=False), cache, path)
+        return logits[:, -1:], score_positions(lambda start, stop: logits[:, start:stop], targets)
 
     def bypassing(self, skip: frozenset[int], biases: Mapping[int, torch.Tensor] | None = None) -> Model:
         """The model with `skip` bypassed (a lossy plan); itself when nothing is skipped."""
@@ -120,3 +151,7 @@ class RunnerView:
 
     def forward(self, inputs: ForwardInputs, cache: KVCache) -> torch.Tensor:
         return self.runner.run(inputs, cache, self.path)
+
+    def forward_scored(self, inputs: ForwardInputs, cache: KVCache,
+                       targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.runner.run_scored(inputs, cache, self.path, targets)

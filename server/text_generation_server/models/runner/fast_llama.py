@@ -42,7 +42,7 @@ from loguru import logger
 
 from ...env import process_env
 from . import cpu_kernels
-from .base import ForwardInputs, LayerPath, Runner
+from .base import ForwardInputs, LayerPath, Runner, score_positions
 from .fast_weights import ArchSpec, LayerWeights, Projection, norm_weight, read_layer, read_spec, rope_sources
 from .kernel_api import CpuOps
 from .kernel_api import Projection as KernelProjection
@@ -324,8 +324,9 @@ class FastLlamaRunner(Runner):
     def new_cache(self, num_rows: int) -> KVCache:
         return KVCache(num_rows=num_rows, num_layers=self.num_layers)
 
-    @torch.inference_mode()
-    def run(self, inputs: ForwardInputs, cache: KVCache, path: LayerPath) -> torch.Tensor:
+    def _hidden(self, inputs: ForwardInputs, cache: KVCache, path: LayerPath) -> tuple[torch.Tensor, bool]:
+        """The decoder layers along `path`: hidden states `[rows, new, hidden]` before the final
+        norm, and whether the products were exact (a decode step or verification)."""
         input_ids, position_ids, attention_mask = inputs.input_ids, inputs.position_ids, inputs.attention_mask
         rows, new = input_ids.shape
         expected = (rows, cache.length + new)
@@ -347,9 +348,24 @@ class FastLlamaRunner(Runner):
             cos, sin = ropes[self.spec.rope_keys[i]]
             h = self._layer(i, layer, h, cos, sin, masks[self.spec.sliding_windows[i]], cache, path.draft, exact)
         cache.advance(new)
+        return h, exact
+
+    @torch.inference_mode()
+    def run(self, inputs: ForwardInputs, cache: KVCache, path: LayerPath) -> torch.Tensor:
+        h, exact = self._hidden(inputs, cache, path)
         if inputs.last_only:
             h = h[:, -1:]
         return self._logits(h, path.head, path.draft, exact)
+
+    @torch.inference_mode()
+    def run_scored(self, inputs: ForwardInputs, cache: KVCache, path: LayerPath,
+                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the head runs a block of positions at a time: a long prompt's [rows, new, vocab] logits
+        # (gigabytes over a large vocabulary, e.g. the router's warm-up batch) never exist at once
+        h, exact = self._hidden(inputs, cache, path)
+        scores = score_positions(lambda start, stop: self._logits(h[:, start:stop], path.head, path.draft, exact),
+                                 targets)
+        return self._logits(h[:, -1:], path.head, path.draft, exact), scores
 
     def _layer(self, index: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor, cache: KVCache, draft: bool = False, exact: bool = False) -> torch.Tensor:
