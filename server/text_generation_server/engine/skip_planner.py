@@ -81,6 +81,8 @@ class SkipPlanner:
             self.policy_state = PolicyState.REFUSED
             self.mode = LayerSkipMode.OFF
             self.scheduler = Scheduler.from_model(model, None, mode=LayerSkipMode.OFF)
+        # the runner executes the layers: the scheduler keeps only the embeddings its detector reads
+        self.scheduler.detach_model()
         if config.policy_path is not None and self.policy_state == PolicyState.LOADED:
             logger.info(f"Layer-skip policy {config.policy_path} aligned to the loaded model; mode {self.mode}")
         policy = self.scheduler.policy

@@ -64,13 +64,24 @@ class ConsistencyReport:
         return self.full_tokens == self.skip_tokens
 
 
+class _EmbeddingsOnly(nn.Module):
+    """What a detached Scheduler keeps of its model (Scheduler.detach_model)."""
+
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embedding
+
+
 class Scheduler:
     """Plans per prompt for one loaded model under one aligned policy."""
 
     def __init__(self, model: nn.Module, layers: DecoderLayers, identity: IdentityMap,
                  policy: AlignedPolicy, mode: str) -> None:
-        self.model = model
-        self.layers = layers
+        self.model: nn.Module = model
+        self.layers: DecoderLayers | None = layers
         self.identity = identity
         self.policy = policy
         self.mode = check_mode(mode)
@@ -107,6 +118,14 @@ class Scheduler:
     @property
     def num_layers(self) -> int:
         return self.identity.num_layers
+
+    def detach_model(self) -> None:
+        """Keep only the model's input embeddings (what the detector reads), for a server whose own
+        runner executes the layers: the decoder layers' weights are then not held here, and a
+        runner that re-laid them out (bitsandbytes codes in its kernels' format) does not keep them
+        twice. `verify_consistency` needs the model and refuses afterwards."""
+        self.model = _EmbeddingsOnly(self.model.get_input_embeddings())  # type: ignore[operator]
+        self.layers = None
 
     def embed(self, input_ids: InputIds) -> torch.Tensor:
         """[seq, hidden] input embeddings of one prompt (the model's own embedding module)."""
@@ -150,6 +169,9 @@ class Scheduler:
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens}: use at least 1")
+        if self.layers is None:
+            raise RuntimeError("verify_consistency needs the model's layers; this scheduler kept only "
+                               "its embeddings (detach_model)")
         plan.check_layers(self.num_layers)
         ids = as_ids(input_ids).unsqueeze(0)  # [1, seq]
         full_logits, full_tokens = self._greedy(ids, max_new_tokens)
@@ -171,6 +193,7 @@ class Scheduler:
         first: torch.Tensor | None = None
         hook = None
         if self._returns_tuple is None:
+            assert self.layers is not None, "verify_consistency checked it"
             hook = self.layers.modules[0].register_forward_hook(self._record_output_kind)
         try:
             with torch.no_grad():
