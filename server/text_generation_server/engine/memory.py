@@ -7,7 +7,7 @@ embeddings counts once, as embeddings). Against the process's resident memory (V
 peak (VmHWM), what no tensor explains is `other`: the Python runtime, torch's and the other
 libraries' code and data, the allocator's slack, a tensor no part reaches.
 
-`serving` is the cheap part reported with every step: KV, prefix cache, resident.
+`serving` is the cheap part reported with every step: KV, prefix cache, resident, peak.
 `release_free_memory` hands glibc's freed heap pages back to the system (after the warm-up's
 peak, which would otherwise stay resident).
 """
@@ -85,9 +85,10 @@ def kv_bytes(batches: Iterable[CausalLMBatch]) -> int:
 
 
 def serving(batches: Iterable[CausalLMBatch], prefixes: PrefixCache | None) -> dict[str, int]:
-    """What changes while serving: KV of the live batches, the prefix cache, resident memory."""
+    """What changes while serving: KV of the live batches, the prefix cache, resident memory and
+    its peak."""
     return {"kv": kv_bytes(batches), "prefix_cache": prefixes.nbytes if prefixes is not None else 0,
-            "resident": process_memory()["resident"]}
+            **process_memory()}
 
 
 def account(parts: dict[str, Any], batches: Iterable[CausalLMBatch], prefixes: PrefixCache | None) -> dict[str, int]:
