@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,14 +77,23 @@ def main() -> None:
     flags = ["--model-id", args.model_id, *LIMITS, *args.server_args.split()]
     cases = prompts(args.per_class)
 
+    def ask(post: Callable[[dict[str, Any]], tuple[int, str]]) -> list[dict[str, Any]]:
+        """Each case's reply (status checked) with its seconds, one request at a time."""
+        replies = []
+        for _, prompt in cases:
+            started = time.perf_counter()
+            replies.append({**answer(*post(body(prompt, args.max_new_tokens))),
+                            "seconds": time.perf_counter() - started})
+        return replies
+
     results: dict[str, list[dict[str, Any]]] = {}
     launcher = start_launcher(flags, "image-parity")
     try:
-        results["host"] = []
-        for _, prompt in cases:
-            started = time.perf_counter()
-            reply = httpx.post(f"{launcher.url}/generate", json=body(prompt, args.max_new_tokens), timeout=600)
-            results["host"].append({**answer(reply.status_code, reply.text), "seconds": time.perf_counter() - started})
+        def post_host(payload: dict[str, Any]) -> tuple[int, str]:
+            reply = httpx.post(f"{launcher.url}/generate", json=payload, timeout=600)
+            return reply.status_code, reply.text
+
+        results["host"] = ask(post_host)
     finally:
         launcher.stop()
 
@@ -91,11 +101,7 @@ def main() -> None:
     server = ImageServer(data, ["--hostname", "127.0.0.1", *flags], log, env={"HF_HUB_OFFLINE": "1"})
     try:
         server.wait_healthy(STARTUP_TIMEOUT_S)
-        results["image"] = []
-        for _, prompt in cases:
-            started = time.perf_counter()
-            status, text = server.http("POST", "/generate", body(prompt, args.max_new_tokens))
-            results["image"].append({**answer(status, text), "seconds": time.perf_counter() - started})
+        results["image"] = ask(lambda payload: server.http("POST", "/generate", payload))
     finally:
         server.stop()
 

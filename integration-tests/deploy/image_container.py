@@ -87,9 +87,10 @@ class ImageServer:
         return int(code or 0), text
 
     def processes(self) -> list[tuple[int, int, str]]:
-        """(pid, uid, command line) of every process in the namespace."""
+        """(pid, uid, command line) of every process in the container: those in the namespace but
+        buildah's own (`buildah run` and its helpers run as root beside the container)."""
         rows = [(pid, run("ps", "-o", "uid=,args=", "-p", str(pid)).split(None, 1)) for pid in self.pids()]
-        return [(pid, int(uid), args.strip()) for pid, (uid, args) in rows]
+        return [(pid, int(uid), args.strip()) for pid, (uid, args) in rows if not args.startswith("buildah")]
 
     def pids(self) -> list[int]:
         return [int(p) for p in run("ip", "netns", "pids", self.netns).split()]
@@ -97,8 +98,8 @@ class ImageServer:
     def stop(self) -> None:
         """As `docker stop`: SIGTERM to the entrypoint (the launcher drains, then stops its router and
         shard), SIGKILL to whatever is left after 90 s; then the container and namespace go."""
-        launcher = [pid for pid, _, args in self.processes() if not args.startswith("buildah")
-                    and any(word.endswith("text-generation-launcher") for word in args.split()[:2])]
+        launcher = [pid for pid, _, args in self.processes()
+                    if any(word.endswith("text-generation-launcher") for word in args.split()[:2])]
         for sig, pids, wait_s in ((signal.SIGTERM, launcher, 90), (signal.SIGKILL, None, 30)):
             for pid in self.pids() if pids is None else pids:
                 with contextlib.suppress(ProcessLookupError):
