@@ -51,6 +51,7 @@ from text_generation_server.models.runner import (
     build_runner,
     cpu_kernels,
 )
+from text_generation_server.models.runner.base import LayerPath, RunnerView
 
 from .batching import Stream, real_positions, teacher_forced
 
@@ -381,9 +382,17 @@ def test_quantized_models_read_the_head_as_int8(model_path: Path, prompts: list[
     served, dense = build_runner(nf4, "fast"), build_runner(nf4, "fast", FastRunnerConfig(int8_head=False))
     assert isinstance(served, FastLlamaRunner) and served.head_projection is not None
     assert isinstance(dense, FastLlamaRunner) and dense.head_projection is None
+    assert served.lm_head is None and dense.lm_head is not None  # one copy of the head
     served_logits, dense_logits = _teacher_forced(served, prompts), _teacher_forced(dense, prompts)
     assert (served_logits - dense_logits).abs().max() <= INT8_HEAD_TOLERANCE
     assert (served_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean() >= 0.95
+    # a reduced draft head is rows of the served int8 head: its logits are the served ones, bit for bit
+    ids = torch.tensor([7, 3, 900, 42, 12000])
+    head = served.head_rows(ids)[:4]
+    inputs = ForwardInputs.contiguous(torch.tensor([prompts[0]]))
+    full = served.forward(inputs, served.new_cache(1))
+    sub = RunnerView(served, LayerPath(head=head)).forward(inputs, served.new_cache(1))
+    assert torch.equal(sub[0, -1], full[0, -1, ids[:4]])
     assert KernelEnv.read({"TGI_QUANTIZED_LM_HEAD": "dense"}).quantized_head == "dense"
     with pytest.raises(ValueError, match="TGI_QUANTIZED_LM_HEAD='fp16' is not one of int8, dense"):
         KernelEnv.read({"TGI_QUANTIZED_LM_HEAD": "fp16"})

@@ -56,7 +56,7 @@ def test_reduced_head_logits_are_the_full_logits_of_its_ids() -> None:
     model = tiny_qwen2()
     runner = FastLlamaRunner(model)
     vocab = DraftVocab((5, 3, 90, 11, 0, 42))
-    heads = DraftHeads(vocab, runner.lm_head)
+    heads = DraftHeads(vocab, runner)
     heads.reserve(6)
     head = heads.get(4)
     assert head is not None and head.size == 4 and head.to_ids(torch.tensor(2)) == 90

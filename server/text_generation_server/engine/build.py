@@ -12,6 +12,7 @@ from ..models.loading import LoadConfig, load_model, load_tokenizer
 from ..models.runner import build_runner
 from ..speculative.controller import SpeculateConfig
 from .causal_lm import CausalLM
+from .memory import loading_heap
 from .skip_planner import LayerSkipConfig, SkipPlanner
 
 
@@ -31,10 +32,12 @@ def get_model(model_id: str, revision: str | None, load: LoadConfig, runner_kind
               layer_skip: LayerSkipConfig | None = None, speculation: SpeculateConfig | None = None) -> CausalLM:
     path = download_weights(model_id, revision)
     tokenizer = load_tokenizer(path, load.trust_remote_code)
-    model = load_model(path, load)
-    planner = SkipPlanner(model, layer_skip or LayerSkipConfig())
-    runner = build_runner(model, runner_kind)
-    logger.info(f"Runner: {runner.name} ({model.config.model_type}, {runner.num_layers} layers, {runner.dtype})")
-    max_positions = int(getattr(model.config.get_text_config(), "max_position_embeddings", 4096))
+    with loading_heap():
+        model = load_model(path, load)
+        planner = SkipPlanner(model, layer_skip or LayerSkipConfig())
+        runner = build_runner(model, runner_kind)
+        logger.info(f"Runner: {runner.name} ({model.config.model_type}, {runner.num_layers} layers, {runner.dtype})")
+        max_positions = int(getattr(model.config.get_text_config(), "max_position_embeddings", 4096))
+        del model  # the runner and the planner keep what they read
     return CausalLM(runner, tokenizer, eos_token_ids(path, tokenizer.eos_token_id), planner, max_positions,
                     speculation)

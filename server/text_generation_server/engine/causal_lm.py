@@ -126,7 +126,7 @@ class CausalLM:
         self.special_ids = frozenset(tokenizer.all_special_ids)
         self.speculation = speculation or SpeculateConfig()
         policy = planner.scheduler.policy
-        self.heads = DraftHeads(policy.draft_vocab, getattr(runner, "lm_head", None))
+        self.heads = DraftHeads(policy.draft_vocab, runner)
         for rule in (*policy.table.rules, policy.table.default):
             self.heads.reserve(rule.draft.vocab)
         table = policy.table

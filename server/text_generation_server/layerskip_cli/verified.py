@@ -257,7 +257,7 @@ def detector_value(runs: list[PromptRun], scored: Scored, config: Config) -> dic
 
 
 def heads_for(engine: Engine, vocab: DraftVocab, sizes: Sequence[int]) -> DraftHeads:
-    heads = DraftHeads(vocab, getattr(engine.runner, "lm_head", None))
+    heads = DraftHeads(vocab, engine.runner)
     for size in sizes:
         heads.reserve(size)
     return heads

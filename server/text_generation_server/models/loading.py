@@ -4,11 +4,20 @@ bitsandbytes is a loading strategy, not a flag inside model code: the 8-bit and 
 variants quantize ordinary safetensors weights on the fly through transformers'
 bitsandbytes integration (which runs on the CPU with bitsandbytes >= 0.45). bitsandbytes is
 imported lazily, only when one of its modes is asked for.
+
+Design note: transformers memory-maps a safetensors checkpoint, and every page it reads counts
+in the process's resident memory until loading ends: loading a float32 checkpoint as bfloat16
+peaked at the whole file plus the loaded model. Here each tensor is read with pread instead
+(nothing of the file is mapped), and a floating-point tensor to be cast is cast a block of rows
+at a time into its final buffer (`_CastRows`), so the float32 source of a large tensor (an
+embedding table) never exists whole. The loaded weights are bitwise those of transformers' own
+path (tests/server/test_loading.py).
 """
 
 from __future__ import annotations
 
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,8 +80,58 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False) -> PreTrainedTok
     return tokenizer
 
 
+CAST_BLOCK_BYTES = 16 << 20  # source bytes cast at a time
+_FLOAT_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+class _CastRows:
+    """A checkpoint tensor as transformers' loader reads it (`tensor[...]`), read with pread and
+    cast to `dtype` CAST_BLOCK_BYTES of source rows at a time."""
+
+    def __init__(self, source: Any, dtype: torch.dtype) -> None:
+        self.source, self.dtype = source, dtype  # a safetensors slice (pread)
+
+    def get_shape(self) -> list[int]:
+        return list(self.source.get_shape())
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        assert index is Ellipsis, f"a checkpoint tensor is read whole, not [{index}]"
+        shape = self.get_shape()
+        if len(shape) < 2:
+            return self.source[...].to(self.dtype)
+        out = torch.empty(shape, dtype=self.dtype)
+        step = max(1, CAST_BLOCK_BYTES // (out[0].numel() * 8))
+        for start in range(0, shape[0], step):
+            end = min(start + step, shape[0])
+            out[start:end] = self.source[start:end]
+        return out
+
+
+def _pread_state(path: Path, model_class: Any, dtype: torch.dtype, stack: ExitStack) -> dict[str, Any] | None:
+    """The checkpoint's tensors as pread slices (floating ones cast to `dtype` row blocks at a
+    time); None where transformers' own path must read it (no safetensors, modules kept in
+    float32 whatever the dtype)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files or getattr(model_class, "_keep_in_fp32_modules", None) or getattr(
+            model_class, "_keep_in_fp32_modules_strict", None):
+        return None
+    state: dict[str, Any] = {}
+    for file in files:
+        handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu", backend="pread"))
+        for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
+            source = handle.get_slice(name)
+            cast = source.get_dtype() in _FLOAT_CODES and source.get_dtype() != _FLOAT_CODES.get(dtype)
+            state[name] = _CastRows(source, dtype) if cast else source
+    return state
+
+
 def load_model(path: Path, load: LoadConfig) -> PreTrainedModel:
     """Load a causal LM from a local checkpoint folder with the given strategy (on the CPU)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     kwargs: dict[str, Any] = {"dtype": load.torch_dtype, "trust_remote_code": load.trust_remote_code}
     if load.quantize is not None:
         kwargs["quantization_config"] = _bnb_config(load)
@@ -80,6 +139,13 @@ def load_model(path: Path, load: LoadConfig) -> PreTrainedModel:
     # bitsandbytes warns on every int8 matmul that float32 inputs are cast to float16.
     warnings.filterwarnings("ignore", message=".*inputs will be cast from.*")
     logger.info(f"Loading {path} (dtype={load.dtype}, quantize={load.quantize})")
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=load.trust_remote_code)
+    model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    with ExitStack() as stack:
+        state = _pread_state(path, model_class, load.torch_dtype, stack) if model_class is not None else None
+        if state is None:
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        else:
+            model = model_class.from_pretrained(None, config=config, state_dict=state, **kwargs)
     model.eval()
     return model

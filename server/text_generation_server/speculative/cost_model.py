@@ -30,6 +30,7 @@ import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -260,8 +261,8 @@ class CostModel:
         half = frozenset(range(layers // 4, layers // 4 + layers // 2))
         draft_base = timer.add(1, 1, draft=True)
         without_half = timer.add(1, 1, half, draft=True)
-        lm_head = getattr(runner, "lm_head", None)
-        tiny_head = timer.add(1, 1, head=lm_head[:64].contiguous()) if isinstance(lm_head, torch.Tensor) else None
+        tiny_rows = runner.head_rows(torch.arange(64))
+        tiny_head = timer.add(1, 1, head=tiny_rows[:64]) if tiny_rows is not None else None
         drafts: dict[DraftKey, tuple[int, int]] = {}
         for skip, vocab in dict.fromkeys(draft_configs):
             head = heads.get(vocab) if heads is not None else None
@@ -271,7 +272,7 @@ class CostModel:
         step = seconds[forward[0]]  # the reference of the head's difference below, as measured
         layer_s = max(seconds[draft_base] - seconds[without_half], 0.0) / max(len(half), 1)
         head_s = max(step - seconds[tiny_head], 0.0) if tiny_head is not None else 0.0
-        vocab_size = int(lm_head.shape[0]) if isinstance(lm_head, torch.Tensor) else runner.vocab_size
+        vocab_size = runner.vocab_size
         attention_s = 0.0
         if long is not None:
             rows, new = long_shape
@@ -310,7 +311,7 @@ class _Timer:
         self.caches: dict[int, KVCache] = {}  # one prefilled context per row count (a prefill is costly)
         self.probes: list[tuple[int, int, frozenset[int], torch.Tensor | None, bool, int]] = []
 
-    def add(self, rows: int, new: int, skip: frozenset[int] = frozenset(), head: torch.Tensor | None = None,
+    def add(self, rows: int, new: int, skip: frozenset[int] = frozenset(), head: Any = None,
             draft: bool = False, context: int = 0) -> int:
         """A probe; `draft`: a draft forward (Runner.forward's draft weights); `context`: cached
         columns before it, when more than the timer's (zeros past the prefilled ones)."""
@@ -339,7 +340,7 @@ class _Timer:
             self.runner.forward(ForwardInputs(ids, torch.arange(context).repeat(rows, 1), mask), cache)
         return cache
 
-    def time(self, rows: int, new: int, skip: frozenset[int], head: torch.Tensor | None, draft: bool = False,
+    def time(self, rows: int, new: int, skip: frozenset[int], head: Any, draft: bool = False,
              context: int = 0) -> float:
         runner, context = self.runner, max(context, self.context)
         cache = self._cache(rows)

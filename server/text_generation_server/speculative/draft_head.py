@@ -3,17 +3,20 @@
 Verified mode drafts with skipped layers and, when the rule says so, with a head over the first
 N ids of the policy's `DraftVocab` ranking (see layerskip/draft.py for why this is lossless and
 how the ranking is measured). The rows are gathered once, for the largest size any rule uses,
-into one contiguous `[max_vocab, hidden]` tensor; a rule's head is a prefix view of it, so no
-size costs a second copy.
+once (`Runner.head_rows`: dense rows, or the rows of the int8 head a quantized model is served
+with, so a draft's logits are the served head's own); a rule's head is a prefix view of them, so
+no size costs a second copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..layerskip import DraftVocab
+from ..models.runner.base import Runner
 
 
 @dataclass(frozen=True)
@@ -22,11 +25,11 @@ class DraftHead:
 
     Attributes:
         token_ids: `[n]` the vocabulary ids of the head's rows, in row order.
-        weight: `[n, hidden]` the lm_head rows of `token_ids` (contiguous, runner dtype).
+        weight: the lm_head rows of `token_ids`, as the runner reads them (Runner.head_rows).
     """
 
     token_ids: torch.Tensor
-    weight: torch.Tensor
+    weight: Any
 
     @property
     def size(self) -> int:
@@ -48,12 +51,12 @@ class DraftHead:
 
 
 class DraftHeads:
-    """The reduced heads of one loaded policy, built lazily from the runner's lm_head."""
+    """The reduced heads of one loaded policy, built lazily from the runner's lm_head rows."""
 
-    def __init__(self, vocab: DraftVocab | None, lm_head: torch.Tensor | None) -> None:
+    def __init__(self, vocab: DraftVocab | None, runner: Runner | None) -> None:
         self.vocab = vocab
-        self.lm_head = lm_head  # [vocab, hidden]; None for runners without one (no reduced heads)
-        self._rows: torch.Tensor | None = None
+        self.runner = runner  # None: no reduced heads (nor where its head_rows gives None)
+        self._rows: Any = None
         self._heads: dict[int, DraftHead] = {}
         self.max_size = 0
 
@@ -68,20 +71,21 @@ class DraftHeads:
 
     def get(self, size: int) -> DraftHead | None:
         """The head of the first `size` ranked ids; None for 0 (the full head) or a full-size subset."""
-        if size <= 0 or self.lm_head is None or size >= self.lm_head.shape[0]:
+        if size <= 0 or self.runner is None or size >= self.runner.vocab_size:
             return None
         head = self._heads.get(size)
         if head is None:
             rows = self._gathered(max(size, self.max_size))
+            if rows is None:
+                return None
             assert self.vocab is not None, "reserve() checked that a ranking exists"
             ids = torch.tensor(self.vocab.token_ids[:size], dtype=torch.long)
             head = self._heads[size] = DraftHead(ids, rows[:size])
         return head
 
-    def _gathered(self, size: int) -> torch.Tensor:
+    def _gathered(self, size: int) -> Any:
         if self._rows is None or self._rows.shape[0] < size:
-            assert self.vocab is not None and self.lm_head is not None
-            ids = torch.tensor(self.vocab.token_ids[:size], dtype=torch.long)
-            self._rows = self.lm_head.index_select(0, ids).contiguous()  # [size, hidden]
+            assert self.vocab is not None and self.runner is not None
+            self._rows = self.runner.head_rows(torch.tensor(self.vocab.token_ids[:size], dtype=torch.long))
             self._heads.clear()
         return self._rows

@@ -50,15 +50,15 @@ class LayerPath:
         skip: decoder layer indices bypassed (their cache entries stay None).
         biases: graceful bypass: a skipped layer with an entry adds it (`[hidden]`, the layer's
             mean residual update) instead of passing the hidden state through.
-        head: `[n, hidden]` rows of the lm_head computed instead of the whole head (a draft's
-            reduced vocabulary); the logits then have n columns.
+        head: n rows of the lm_head computed instead of the whole head (a draft's reduced
+            vocabulary, `Runner.head_rows(ids)[:n]`); the logits then have n columns.
         draft: a draft model's forward: a runner that keeps cheaper draft weights (the fast
             runner's int8 copy of a dense model's layers and heads) runs on them.
     """
 
     skip: frozenset[int] = frozenset()
     biases: Mapping[int, torch.Tensor] | None = None
-    head: torch.Tensor | None = None
+    head: Any = None
     draft: bool = False
 
 
@@ -134,6 +134,12 @@ class Runner(ABC):
         """What holds this runner's tensors, by part, for memory accounting (engine/memory.py:
         the first part that reaches a tensor counts it)."""
         return {"weights": self}
+
+    def head_rows(self, ids: torch.Tensor) -> Any:
+        """Rows `ids` of the lm_head as a draft's reduced head reads them
+        (speculative/draft_head.py): `rows[:n]` is the `head` of the first n ids. None where the
+        runner computes whole logits only."""
+        return None
 
     def draft_model(self, skip: frozenset[int], head: torch.Tensor | None = None,
                     biases: Mapping[int, torch.Tensor] | None = None) -> Model:

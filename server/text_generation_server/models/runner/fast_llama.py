@@ -288,13 +288,16 @@ class FastLlamaRunner(Runner):
         self._draft_layers: tuple[CpuOps, list[FusedLayer]] | None = None
         self._draft_heads: dict[tuple[int, int], tuple[torch.Tensor, KernelProjection]] = {}
         self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
-        self.lm_head = model.lm_head.weight.detach().to(self.dtype)  # tied: the same tensor as embed
+        # tied: the same tensor as embed; None once it is read as int8 (one copy of the head)
+        self.lm_head: torch.Tensor | None = model.lm_head.weight.detach().to(self.dtype)
         quantized = kind in ("4bit", "4bit-bfloat16", "int8") and process_env().kernels.quantized_head == "int8"
         wants_int8 = config.int8_head if config.int8_head is not None else quantized
-        self.head_projection = int8_head(ops, self.lm_head) if ops is not None and wants_int8 else None
-        if self.head_projection is not None:
+        self.int8_lm_head = int8_head(ops, self.lm_head) if ops is not None and wants_int8 else None
+        self.head_projection = self.int8_lm_head[:] if self.int8_lm_head is not None else None
+        if self.int8_lm_head is not None:
+            self.lm_head = None
             logger.info(f"{self.name}: the lm_head is read as weight-only int8 (blocks of {INT8_HEAD_BLOCK}; "
-                        "TGI_QUANTIZED_LM_HEAD=dense keeps it dense)")
+                        "TGI_QUANTIZED_LM_HEAD=dense keeps it dense); draft heads are its rows")
         self.final_norm = read_final_norm(model, self.spec, self.dtype)
         self.embed_scale = (torch.tensor(self.spec.embed_scale).to(self.dtype)
                             if self.spec.embed_scale is not None else None)
@@ -307,9 +310,15 @@ class FastLlamaRunner(Runner):
 
     def memory_parts(self) -> dict[str, Any]:
         # "runner": what else it holds (rope tables; the unfused dense layers kept for int8 drafts)
-        return {"embeddings": self.embed, "lm_head": [self.lm_head, self.head_projection],
+        return {"embeddings": self.embed, "lm_head": [self.lm_head, self.int8_lm_head],
                 "layers": [self.layers, self._fused_layers, self.final_norm],
                 "drafts": [self._draft_layers, self._draft_heads], "runner": self}
+
+    def head_rows(self, ids: torch.Tensor) -> Int8Head | torch.Tensor:
+        if self.int8_lm_head is not None:
+            return self.int8_lm_head.take(ids)
+        assert self.lm_head is not None
+        return self.lm_head.index_select(0, ids).contiguous()
 
     def _dense(self) -> bool:
         """Whether every projection is a plain weight (no bitsandbytes modules)."""
@@ -420,7 +429,7 @@ class FastLlamaRunner(Runner):
         made = self._draft_heads.get(key)
         if made is None:
             ops, _ = self._int8_drafts()
-            made = self._draft_heads[key] = (head, int8_head(ops, head))
+            made = self._draft_heads[key] = (head, int8_head(ops, head)[:])
             logger.info(f"{self.name}: a draft head of {key[1]} rows is read as weight-only int8 "
                         f"({key[1] * head.shape[1] / 2**20:.0f} MiB)")
         return made[1]
@@ -430,6 +439,7 @@ class FastLlamaRunner(Runner):
         h = rms_norm(h.contiguous(), self.final_norm, self.dims)
         # A verified-mode draft may pass a reduced head (rows of lm_head, see speculative/draft_head.py).
         full = self.head_projection if self.head_projection is not None else self.lm_head
+        assert full is not None
         weights: Any = head if head is not None else full
         # A draft reads a dense head as int8; an lm_head the runner already reads as int8 is reused.
         if (draft and self._dense_layers is not None and h.shape[0] * h.shape[1] <= cpu_kernels.MAX_ROWS
@@ -457,14 +467,41 @@ class FastLlamaRunner(Runner):
 INT8_HEAD_BLOCK = 64
 
 
-def int8_head(ops: CpuOps, weight: torch.Tensor) -> KernelProjection:
-    """The lm_head `[vocab, hidden]` as weight-only int8: per block of 64 weights of a row,
-    codes round(w * 127 / absmax) and scale absmax / 127."""
+@dataclass(frozen=True)
+class Int8Head:
+    """An lm_head (or some of its rows) as weight-only int8: per block of INT8_HEAD_BLOCK weights
+    of a row, codes round(w * 127 / absmax) and scale absmax / 127. `head[:n]` is the kernels'
+    product of its first n rows (views, no copy)."""
+
+    ops: CpuOps
+    codes: torch.Tensor  # [rows, hidden] int8
+    scales: torch.Tensor  # [rows, hidden // INT8_HEAD_BLOCK] float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def take(self, ids: torch.Tensor) -> Int8Head:
+        """Rows `ids`, in that order (a reduced draft head: the served head's own numbers)."""
+        return Int8Head(self.ops, self.codes.index_select(0, ids), self.scales.index_select(0, ids))
+
+    def __getitem__(self, rows: slice) -> KernelProjection:
+        return self.ops.Projection.int8_weights(self.codes[rows], self.scales[rows].reshape(-1), INT8_HEAD_BLOCK, None)
+
+
+def int8_head(ops: CpuOps, weight: torch.Tensor) -> Int8Head:
+    """`weight` `[vocab, hidden]` as an Int8Head, quantized a few MiB of rows at a time (no float32
+    copy of the whole head)."""
     vocab, hidden = weight.shape
-    blocks = weight.float().view(vocab, hidden // INT8_HEAD_BLOCK, INT8_HEAD_BLOCK)
-    scales = (blocks.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-30)  # [vocab, blocks, 1]
-    codes = torch.round(blocks / scales).to(torch.int8).view(vocab, hidden)
-    return ops.Projection.int8_weights(codes, scales.reshape(-1).contiguous(), INT8_HEAD_BLOCK, None)
+    codes = torch.empty((vocab, hidden), dtype=torch.int8)
+    scales = torch.empty((vocab, hidden // INT8_HEAD_BLOCK), dtype=torch.float32)
+    step = max(1, (4 << 20) // (hidden * 4))
+    for start in range(0, vocab, step):
+        blocks = weight[start:start + step].float().view(-1, hidden // INT8_HEAD_BLOCK, INT8_HEAD_BLOCK)
+        scale = (blocks.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-30)  # [rows, blocks, 1]
+        codes[start:start + step] = torch.round(blocks / scale).to(torch.int8).view(-1, hidden)
+        scales[start:start + step] = scale.squeeze(-1)
+    return Int8Head(ops, codes, scales)
 
 
 DRAFT_INT8_THRESHOLD = 6.0  # bitsandbytes' default llm_int8_threshold
