@@ -119,12 +119,13 @@ class Scheduler:
     def num_layers(self) -> int:
         return self.identity.num_layers
 
-    def detach_model(self) -> None:
-        """Keep only the model's input embeddings (what the detector reads), for a server whose own
-        runner executes the layers: the decoder layers' weights are then not held here, and a
-        runner that re-laid them out (bitsandbytes codes in its kernels' format) does not keep them
-        twice. `verify_consistency` needs the model and refuses afterwards."""
-        self.model = _EmbeddingsOnly(self.model.get_input_embeddings())  # type: ignore[operator]
+    def detach_model(self, embedding: nn.Module | None = None) -> None:
+        """Keep only the model's input embeddings (what the detector reads; `embedding`: a module
+        computing the same lookups), for a server whose own runner executes the layers: the
+        decoder layers' weights are then not held here, and a runner that re-laid them out
+        (bitsandbytes codes in its kernels' format) does not keep them twice.
+        `verify_consistency` needs the model and refuses afterwards."""
+        self.model = _EmbeddingsOnly(embedding or self.model.get_input_embeddings())  # type: ignore[operator]
         self.layers = None
 
     def embed(self, input_ids: InputIds) -> torch.Tensor:
@@ -132,7 +133,8 @@ class Scheduler:
         ids = as_ids(input_ids)
         embedding = self.model.get_input_embeddings()  # type: ignore[operator]
         with torch.no_grad():
-            embeddings: torch.Tensor = embedding(ids.unsqueeze(0).to(embedding.weight.device))[0]
+            device = next((p.device for p in embedding.parameters()), torch.device("cpu"))
+            embeddings: torch.Tensor = embedding(ids.unsqueeze(0).to(device))[0]
         return embeddings  # [seq, hidden]
 
     def scores(self, input_ids: InputIds) -> DetectorScores:

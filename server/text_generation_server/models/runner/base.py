@@ -135,6 +135,11 @@ class Runner(ABC):
         the first part that reaches a tensor counts it)."""
         return {"weights": self}
 
+    def map_embeddings(self, embedding: torch.nn.Module) -> bool:
+        """Look input ids up with `embedding` (loading.MappedEmbedding: the same values as the
+        loaded table) from now on; False where this runner reads the model's own table."""
+        return False
+
     def head_rows(self, ids: torch.Tensor) -> Any:
         """Rows `ids` of the lm_head as a draft's reduced head reads them
         (speculative/draft_head.py): `rows[:n]` is the `head` of the first n ids. None where the

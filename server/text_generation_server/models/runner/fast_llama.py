@@ -287,7 +287,9 @@ class FastLlamaRunner(Runner):
         self._dense_layers = dense_layers if int8_drafts else None  # quantized at the first draft
         self._draft_layers: tuple[CpuOps, list[FusedLayer]] | None = None
         self._draft_heads: dict[tuple[int, int], tuple[torch.Tensor, KernelProjection]] = {}
-        self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)  # [vocab, hidden]
+        # [vocab, hidden]; None once lookups read the checkpoint (map_embeddings)
+        self.embed: torch.Tensor | None = model.model.embed_tokens.weight.detach().to(self.dtype)
+        self._lookup: torch.nn.Module | None = None
         # tied: the same tensor as embed; None once it is read as int8 (one copy of the head)
         self.lm_head: torch.Tensor | None = model.lm_head.weight.detach().to(self.dtype)
         quantized = kind in ("4bit", "4bit-bfloat16", "int8") and process_env().kernels.quantized_head == "int8"
@@ -313,6 +315,12 @@ class FastLlamaRunner(Runner):
         return {"embeddings": self.embed, "lm_head": [self.lm_head, self.int8_lm_head],
                 "layers": [self.layers, self._fused_layers, self.final_norm],
                 "drafts": [self._draft_layers, self._draft_heads], "runner": self}
+
+    def map_embeddings(self, embedding: torch.nn.Module) -> bool:
+        if self.embed is None or getattr(embedding, "shape", None) != self.embed.shape:
+            return False
+        self.embed, self._lookup = None, embedding
+        return True
 
     def head_rows(self, ids: torch.Tensor) -> Int8Head | torch.Tensor:
         if self.int8_lm_head is not None:
@@ -340,7 +348,8 @@ class FastLlamaRunner(Runner):
         rows, new = input_ids.shape
         expected = (rows, cache.length + new)
         assert attention_mask.shape == expected, f"attention_mask {tuple(attention_mask.shape)} != {expected}"
-        h = F.embedding(input_ids, self.embed)  # [rows, new, hidden]
+        h = self._lookup(input_ids) if self._lookup is not None else F.embedding(input_ids, _dense(self.embed))
+        h = h.to(self.dtype)  # [rows, new, hidden]
         if self.embed_scale is not None:
             h = h * self.embed_scale
         max_position = cache.length + new  # bounds position_ids without reading them
