@@ -183,6 +183,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         batch = self._from_pb(warmup_batch)
         padded_tokens = batch.padded_prompt_tokens()
         self.model.generate_token(batch)  # a dry run; the result is not cached
+        while any(group.fresh for group in batch.groups):  # a prefill in chunks: to its last one
+            self.model.generate_token(batch)
         if self.model.prefixes is not None:
             self.model.prefixes.clear()  # nor are its prompts
         if self.model.planner.policy_state == PolicyState.LOADED:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from test_layer_skip_shard import make_lm
 
 from text_generation_server.engine.batch import CausalLMBatch
@@ -48,6 +49,37 @@ def test_a_chunked_prompt_gives_the_tokens_of_one_prefill(lm: CausalLM) -> None:
     assert alone(lm, request, CHUNK) == alone(lm, request)
     seeded = make_request(2, prompt, 12, do_sample=True, seed=3, temperature=0.9)
     assert alone(lm, seeded, CHUNK) == alone(lm, seeded)
+
+
+def test_prompt_logprobs_are_scored_chunk_by_chunk(lm: CausalLM) -> None:
+    """Two rows of different lengths asking for their prompts' logprobs, in chunks: each position's
+    logprob of the next prompt token is the one a whole prefill gives (the chunks' boundaries
+    included), and so are the tokens."""
+    prompts = [chat_text(lm.tokenizer, LONG_CHAT), chat_text(lm.tokenizer, "Summarise: " + " ".join(LONG[:3]))]
+
+    def run(chunk: int) -> tuple[dict[int, list[float]], dict[int, list[int]]]:
+        requests = [make_request(i + 1, p, 6, prefill_logprobs=True) for i, p in enumerate(prompts)]
+        scores: dict[int, list[float]] = {}
+        tokens: dict[int, list[int]] = {1: [], 2: []}
+        lm.prefill_chunk = chunk
+        try:
+            current: CausalLMBatch | None = new_batch(lm, 7, requests)
+            while current is not None:
+                generations, current, _ = lm.generate_token(current)
+                for g in generations:
+                    tokens[g.request_id] += g.tokens.ids
+                    if g.prefill_tokens is not None:
+                        scores[g.request_id] = g.prefill_tokens.logprobs
+        finally:
+            lm.prefill_chunk = 0
+        return scores, tokens
+
+    (chunked, chunked_tokens), (whole, whole_tokens) = run(CHUNK), run(0)
+    assert chunked_tokens == whole_tokens
+    for rid in (1, 2):
+        assert len(chunked[rid]) == len(whole[rid]) == len(lm.tokenizer(prompts[rid - 1])["input_ids"])
+        assert chunked[rid][0] != chunked[rid][0]  # the first prompt token has no logprob (NaN)
+        torch.testing.assert_close(torch.tensor(chunked[rid][1:]), torch.tensor(whole[rid][1:]), atol=1e-4, rtol=0)
 
 
 def test_a_running_stream_goes_on_while_a_long_prompt_prefills(lm: CausalLM) -> None:

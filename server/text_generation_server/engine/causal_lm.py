@@ -259,7 +259,8 @@ class CausalLM:
             width = self.chunk_width(group, states, audited)
             if width:
                 if not defer_chunks:
-                    out.append(ChunkStep(self.runner, group, width, self.planner.biases))
+                    scored = any(s.prefill_logprobs for s in states)
+                    out.append(ChunkStep(self.runner, group, width, self.planner.biases, scored))
                 continue
             if not group.fresh and any(s.spec is not None for s in states):
                 cycle = self.controller.plan_cycle(states)
@@ -273,12 +274,12 @@ class CausalLM:
     def chunk_width(self, group: PlanGroup, states: list[RequestState], audited: set[int]) -> int:
         """The pending columns a prefilling group runs this step when its prompts are longer than
         `prefill_chunk` tokens (0: it runs them all and chooses its first tokens). Chunks keep
-        the running requests' steps going while a long prompt is prefilled. A request asking for
-        its prompt's logprobs keeps its group whole (they come from one forward), and so do audit
-        twins and the requests they audit (compared token for token, step by step)."""
+        the running requests' steps going while a long prompt is prefilled (prompt logprobs are
+        scored chunk by chunk). Audit twins and the requests they audit keep their groups whole
+        (compared token for token, step by step)."""
         if not group.fresh or not self.prefill_chunk:
             return 0
-        if any(s.prefill_logprobs or s.audit_of is not None or s.id in audited for s in states):
+        if any(s.audit_of is not None or s.id in audited for s in states):
             return 0
         width = max(self.prefill_chunk // group.num_rows, 1)
         return width if group.pending_ids.shape[1] > width else 0

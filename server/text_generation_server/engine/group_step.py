@@ -74,8 +74,10 @@ class PlainStep:
         model = self.runner.bypassing(self.group.skip, self.biases)
         if self.prefill and any(s.prefill_logprobs for s in self.states):
             ids = inputs.input_ids  # each position scores the next column (the last one: a placeholder)
-            self.logits, self.scores = model.forward_scored(inputs, self.group.cache,
-                                                            torch.cat([ids[:, 1:], ids[:, -1:]], dim=1))
+            self.logits, scores = model.forward_scored(inputs, self.group.cache,
+                                                       torch.cat([ids[:, 1:], ids[:, -1:]], dim=1))
+            earlier = self.group.prompt_scores  # the chunks' before this last one
+            self.scores = scores if earlier is None else torch.cat([earlier, scores], dim=1)
         else:
             self.logits = model.forward(inputs, self.group.cache)
 
@@ -96,15 +98,24 @@ class PlainStep:
 
 class ChunkStep:
     """A chunk of a long prefill: the group's next `width` prompt columns run and no token is
-    chosen (the prompts' last columns run as a PlainStep, which chooses the first tokens)."""
+    chosen (the prompts' last columns run as a PlainStep, which chooses the first tokens). Where
+    a row asks for its prompt's logprobs, each position scores the next prompt column (the
+    chunk's last, the next chunk's first) and the group keeps them for that PlainStep."""
 
-    def __init__(self, runner: Runner, group: PlanGroup, width: int, biases: Biases) -> None:
-        self.runner, self.group, self.width, self.biases = runner, group, width, biases
+    def __init__(self, runner: Runner, group: PlanGroup, width: int, biases: Biases, scored: bool = False) -> None:
+        self.runner, self.group, self.width, self.biases, self.scored = runner, group, width, biases, scored
 
     def forward(self, clock: StageClock) -> None:
-        inputs = ForwardInputs(*self.group.forward_inputs(self.width))
-        self.runner.bypassing(self.group.skip, self.biases).forward(inputs, self.group.cache)
-        self.group.advance_chunk(self.width)
+        group = self.group
+        inputs = ForwardInputs(*group.forward_inputs(self.width))
+        model = self.runner.bypassing(group.skip, self.biases)
+        if self.scored:
+            _, scores = model.forward_scored(inputs, group.cache, group.pending_ids[:, 1:self.width + 1])
+            group.prompt_scores = scores if group.prompt_scores is None else torch.cat([group.prompt_scores,
+                                                                                        scores], dim=1)
+        else:
+            model.forward(inputs, group.cache)
+        group.advance_chunk(self.width)
 
     def choose(self) -> dict[int, RowStep]:
         return {}

@@ -42,6 +42,7 @@ class PlanGroup:
     pending_ids: torch.Tensor  # [rows, new]
     pending_mask: torch.Tensor  # [rows, new]
     fresh: bool = True  # its prompts are not all in the cache yet (cached prefixes or earlier chunks may be)
+    prompt_scores: torch.Tensor | None = None  # [rows, run]: prompt logprobs of the chunks run so far
 
     @classmethod
     def from_prompts(cls, skip: GroupKey, request_ids: list[int], prompts: list[list[int]],
@@ -102,9 +103,11 @@ class PlanGroup:
         pending_mask = self.pending_mask.index_select(0, index)
         pending = pending_mask.any(0).nonzero()  # a prefilling group: drop the columns all padding now
         start = int(pending.min()) if self.fresh and pending.numel() else 0
+        scores = self.prompt_scores.index_select(0, index) if self.prompt_scores is not None else None
         return PlanGroup(self.skip, list(ids), self.cache.select(rows, new_length),
                          mask[:, mask.shape[1] - new_length:],
-                         self.pending_ids.index_select(0, index)[:, start:], pending_mask[:, start:], self.fresh)
+                         self.pending_ids.index_select(0, index)[:, start:], pending_mask[:, start:], self.fresh,
+                         scores)
 
     def filter(self, keep_ids: list[int]) -> None:
         """Keep the rows of `keep_ids` (in that order), as `select` does, in place."""
@@ -113,6 +116,7 @@ class PlanGroup:
         kept = self.select(keep_ids)
         self.request_ids, self.cache, self.attention_mask = kept.request_ids, kept.cache, kept.attention_mask
         self.pending_ids, self.pending_mask = kept.pending_ids, kept.pending_mask
+        self.prompt_scores = kept.prompt_scores
 
     @classmethod
     def concatenate(cls, groups: list[PlanGroup]) -> PlanGroup:
@@ -146,7 +150,7 @@ class PlanGroup:
 
     def advance(self, next_ids: list[int]) -> None:
         """After a forward: the pending tokens are in the cache; the chosen ones are next."""
-        self.fresh = False
+        self.fresh, self.prompt_scores = False, None
         self.attention_mask = torch.cat([self.attention_mask, self.pending_mask], 1)
         self.pending_ids = torch.tensor(next_ids, dtype=torch.long).unsqueeze(1)
         self.pending_mask = torch.ones((len(next_ids), 1), dtype=torch.long)
