@@ -10,11 +10,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style server-sent stream (`data:` lines; `[DONE]` left out)."""
+    async for line in lines:
+        if line.startswith("data:") and line.strip() != "data: [DONE]":
+            yield json.loads(line[5:])
 
 
 def interleave(runs: dict[str, Callable[[], float]], repeats: int = 5) -> dict[str, list[float]]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -44,7 +43,7 @@ from router_launcher import start_launcher
 from text_generation_server.download import QWEN_CODER_05B_ID, chunked_gguf
 from text_generation_server.layerskip_cli.prompt_classes import CLASSES, build
 
-from common import write_results
+from common import sse_events, write_results
 from service_process import free_port, wait_healthy
 
 CLIENTS = 4
@@ -76,10 +75,7 @@ async def request(client: httpx.AsyncClient, url: str, row: dict[str, Any], new_
     start, first, chunks, usage = time.perf_counter(), None, 0, None
     async with client.stream("POST", url + route, json=body, timeout=1800) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
+        async for chunk in sse_events(response.aiter_lines()):
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
                 text = choice.get("text") or (choice.get("delta") or {}).get("content")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -37,7 +36,7 @@ from router_launcher import start_launcher
 
 from text_generation_server.download import QWEN_CODER_05B_ID, chunked_gguf
 
-from common import write_results
+from common import sse_events, write_results
 from service_process import free_port, wait_healthy
 
 TURNS = ["What does the monitoring section ask an operator to check first?",
@@ -82,10 +81,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict[s
     text, usage = [], None
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=1800) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
+        async for chunk in sse_events(response.aiter_lines()):
             usage = chunk.get("usage") or usage
             contents = [(c.get("delta") or {}).get("content") for c in chunk.get("choices", [])]
             if any(contents):
