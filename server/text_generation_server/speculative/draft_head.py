@@ -2,10 +2,10 @@
 
 Verified mode drafts with skipped layers and, when the rule says so, with a head over the first
 N ids of the policy's `DraftVocab` ranking (see layerskip/draft.py for why this is lossless and
-how the ranking is measured). The rows are gathered once, for the largest size any rule uses,
-once (`Runner.head_rows`: dense rows, or the rows of the int8 head a quantized model is served
-with, so a draft's logits are the served head's own); a rule's head is a prefix view of them, so
-no size costs a second copy.
+how the ranking is measured). The rows are gathered once, for the largest size any rule uses
+(`Runner.head_rows`: dense rows, or the rows of the int8 head a quantized model is served with,
+so a draft's logits are the served head's own); a rule's head is a prefix view of them, so no
+size costs a second copy.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class DraftHeads:
 
     def __init__(self, vocab: DraftVocab | None, runner: Runner | None) -> None:
         self.vocab = vocab
-        self.runner = runner  # None: no reduced heads (nor where its head_rows gives None)
+        self.runner = runner  # None: no reduced heads (also once its head_rows gave None)
         self._rows: Any = None
         self._heads: dict[int, DraftHead] = {}
         self.max_size = 0
@@ -88,4 +88,6 @@ class DraftHeads:
             assert self.vocab is not None and self.runner is not None
             self._rows = self.runner.head_rows(torch.tensor(self.vocab.token_ids[:size], dtype=torch.long))
             self._heads.clear()
+            if self._rows is None:  # a runner of whole logits only: asked once, not every cycle
+                self.runner = None
         return self._rows
