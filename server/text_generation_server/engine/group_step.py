@@ -76,8 +76,7 @@ class PlainStep:
             ids = inputs.input_ids  # each position scores the next column (the last one: a placeholder)
             self.logits, scores = model.forward_scored(inputs, self.group.cache,
                                                        torch.cat([ids[:, 1:], ids[:, -1:]], dim=1))
-            earlier = self.group.prompt_scores  # the chunks' before this last one
-            self.scores = scores if earlier is None else torch.cat([earlier, scores], dim=1)
+            self.scores = self.group.add_prompt_scores(scores)  # after the earlier chunks' (advance drops them)
         else:
             self.logits = model.forward(inputs, self.group.cache)
 
@@ -111,8 +110,7 @@ class ChunkStep:
         model = self.runner.bypassing(group.skip, self.biases)
         if self.scored:
             _, scores = model.forward_scored(inputs, group.cache, group.pending_ids[:, 1:self.width + 1])
-            group.prompt_scores = scores if group.prompt_scores is None else torch.cat([group.prompt_scores,
-                                                                                        scores], dim=1)
+            group.add_prompt_scores(scores)
         else:
             model.forward(inputs, group.cache)
         group.advance_chunk(self.width)

@@ -74,10 +74,15 @@ def process_memory() -> dict[str, int]:
     return found
 
 
+def _glibc(function: str) -> Any:
+    """A function of the C library, or None where there is none by that name (not glibc)."""
+    name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(name), function, None) if name else None
+
+
 def release_free_memory() -> None:
     """`malloc_trim(0)`: every arena's free pages back to the system (nothing elsewhere than glibc)."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    trim = _glibc("malloc_trim")
     if trim is not None:
         trim(0)
 
@@ -94,8 +99,7 @@ def loading_heap() -> Iterator[None]:
     their freed pages stayed resident (nf4 0.5B: 1.1 GiB after loading, gone only at a trim).
     Afterwards the threshold is glibc's ceiling (allocations up to 32 MiB reuse heap memory,
     as its moving threshold would by then). Nothing elsewhere than glibc."""
-    name = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    mallopt = _glibc("mallopt")
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD)
     try:

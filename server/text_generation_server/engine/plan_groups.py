@@ -143,6 +143,11 @@ class PlanGroup:
         position_ids = (mask.cumsum(1) - 1).clamp(min=0)[:, -width:]
         return self.pending_ids[:, :width], position_ids, mask
 
+    def add_prompt_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Keep a chunk's prompt logprobs `[rows, width]` after the earlier chunks'; returns them all."""
+        self.prompt_scores = scores if self.prompt_scores is None else torch.cat([self.prompt_scores, scores], 1)
+        return self.prompt_scores
+
     def advance_chunk(self, width: int) -> None:
         """After a chunk of a long prefill: its `width` columns are in the cache, the rest pending."""
         self.attention_mask = torch.cat([self.attention_mask, self.pending_mask[:, :width]], 1)

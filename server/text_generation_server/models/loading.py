@@ -187,7 +187,7 @@ class MappedEmbedding(torch.nn.Module):
         os.close(self.fd)
 
 
-_SOURCE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_SOURCE_DTYPES = {code: dtype for dtype, code in _FLOAT_CODES.items()}
 
 
 def mapped_embeddings(model: PreTrainedModel, path: Path) -> MappedEmbedding | None:
