@@ -9,7 +9,11 @@ Once per ISA variant the CPU can run (test_cpu_kernels' `ops` fixture). Toleranc
 - int8 (LLM.int8(), threshold 6 with outlier columns, and threshold 0): the int part is exact
   in both, the dequantization runs the same fp32 operations in the same order; only the order
   of the outlier columns' sum differs: within 1e-6 relative of bnb.matmul (measured 1.2e-7;
-  exactly 0 without outliers).
+  exactly 0 without outliers). The kernels take a row's outlier columns from that row alone
+  (bitsandbytes from every row of the batch), so each row is compared with bnb.matmul of that
+  row alone.
+Every row of a product of 1-16 rows is bit for bit that row's product alone, in every format:
+verified mode's exactness over bitsandbytes models rests on it.
 """
 
 from __future__ import annotations
@@ -84,6 +88,10 @@ def test_four_bit_bf16_rounds_weights_as_bitsandbytes(ops, quant_type: str) -> N
         assert error <= 2**-7, f"{quant_type} bf16, {rows} rows: error {error}"
 
 
+def _row_by_row(product, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([product(x[j : j + 1]) for j in range(len(x))])
+
+
 def _bnb_int8(weight: torch.Tensor, threshold: float):
     codes, scales, _ = functional.int8_vectorwise_quant(weight.half())
     state = bnb.MatmulLtState()
@@ -96,7 +104,7 @@ def _bnb_int8(weight: torch.Tensor, threshold: float):
 @pytest.mark.parametrize("threshold", [6.0, 0.0])
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 33), (37, 96), (129, 576)])
 def test_int8_equals_bitsandbytes_matmul(ops, threshold: float, n: int, k: int) -> None:  # noqa: F811
-    """Outlier columns (|x| >= 6 in some row) in half of the batches; k tails of 1 and 33."""
+    """Outlier columns (|x| >= 6 in some rows) in half of the batches; k tails of 1 and 33."""
     generator = torch.Generator().manual_seed(n + k)
     weight = torch.randn(n, k, generator=generator) / k**0.5
     bias = torch.randn(n, generator=generator)
@@ -108,7 +116,7 @@ def test_int8_equals_bitsandbytes_matmul(ops, threshold: float, n: int, k: int) 
             if rows % 2:
                 x[rows // 2, k // 2] = 9.0  # an outlier column
                 x[0, 0] = -7.5
-            expected = bnb.matmul(x, codes, state=state, bias=with_bias)
+            expected = _row_by_row(lambda row, b=with_bias: bnb.matmul(row, codes, state=state, bias=b), x)
             error = _relative(projection(x), expected)
             assert error <= 1e-6, f"int8 [{n}, {k}] threshold {threshold}, {rows} rows: error {error}"
 
@@ -141,8 +149,32 @@ def test_int8_bf16_activations(ops) -> None:  # noqa: F811
     for rows in (1, 3, 16, 37):  # 37: outlier sums over more than two vectors of x rows
         x = (torch.randn(rows, 64, generator=generator) * 3).bfloat16()
         x[0, 5] = 8.0
-        error = _relative(projection(x), bnb.matmul(x, codes, state=state))
+        error = _relative(projection(x), _row_by_row(lambda row: bnb.matmul(row, codes, state=state), x))
         assert error <= 2**-7, f"int8 bf16, {rows} rows: error {error}"
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["nf4", "fp4", "int8"])
+def test_a_rows_product_does_not_depend_on_the_other_rows(ops, kind: str, dtype: torch.dtype) -> None:  # noqa: F811
+    """Each x row's output is bit for bit its product alone at 1-16 rows (one row, the few-row
+    tiles, AMX's tiles): LLM.int8()'s outlier columns are decided per row (rows 3 and 9 have
+    their own, row 5 one in a column row 3 shares), and a 4-bit row sums in one order however
+    many rows share the product. A verification of k tokens therefore equals k one-token steps."""
+    generator = torch.Generator().manual_seed(23)
+    weight = torch.randn(37, 640, generator=generator) / 25  # 9 blocks of 4 rows and a single row
+    bias = torch.randn(37, generator=generator)
+    if kind == "int8":
+        codes, scales, _ = _bnb_int8(weight, 6.0)
+        projection = ops.Projection.int8(codes, scales, bias, 6.0)
+    else:
+        projection, _ = _four_bit(ops, weight, kind, 64, bias.to(dtype))
+    x = (torch.randn(cpu_kernels.MAX_ROWS, 640, generator=generator) * 2).to(dtype)
+    x[3, 100] = x[9, 2] = x[5, 100] = 8.0
+    alone = _row_by_row(projection, x)
+    for rows in range(2, cpu_kernels.MAX_ROWS + 1):
+        out = projection(x[:rows])
+        assert torch.equal(out, alone[:rows]), f"{ops.variant} {kind} {dtype}: {rows} rows differ from one at a time"
 
 
 def test_refusals_name_the_bad_argument(ops) -> None:  # noqa: F811

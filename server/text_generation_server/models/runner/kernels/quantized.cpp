@@ -20,7 +20,11 @@
 // columns set to 0; the int8 product with CB [n, k] is summed exactly in int32 and dequantized
 // as acc * (absmax_row * SCB_n) * 6.200124e-05 (+ bias); the outlier columns are added back in
 // the input precision against CB * SCB * (1 / 127). The same steps run here in the same order
-// of fp32 operations, so the result equals bitsandbytes' up to the order of the outlier sum.
+// of fp32 operations, with one difference: a row's outlier columns are its own (|x| >= t in that
+// row), not those of any row of the batch, so a row's result does not depend on the rows beside
+// it (verified mode: a verification equals its one-token steps). For one x row, and for rows
+// whose outliers lie in the same columns, the result equals bitsandbytes' up to the order of the
+// outlier sum.
 // The int8 dot products: AVX2 and AVX-512BW move x's sign onto w and sum |x| * w with maddubs
 // (|x|, |w| <= 127: pairs never saturate); AVX-512 VNNI sums (x + 128) * w with vpdpbusd and
 // takes back 128 * sum(w) (each weight row's sum is kept with the weight); AMX's TDPBSSD multiplies
@@ -32,7 +36,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -157,18 +160,22 @@ Prepared<float> prepare_4bit(const float* x, int64_t m, int64_t k) {
   return out;
 }
 
-// One x row: each weight row decoded once and multiplied at once, kVectors independent sums.
-template <bool kRound>
-void four_bit_one_row(const FourBit& w, const float* x, const float* bias, float* y, int64_t row) {
-  F acc[kVectors];
-  for (auto& a : acc) a = simd::zero();
-  for (int64_t c = 0; c < w.k; c += kChunk4) {
-    F v[kVectors];
-    w.chunk<kRound>(row, c, v);
-    for (int i = 0; i < kVectors; ++i) acc[i] = simd::fmadd(v[i], simd::load(x + c + i * simd::kLanes), acc[i]);
-  }
-  for (int i = 1; i < kVectors; ++i) acc[0] = simd::add(acc[0], acc[i]);
-  y[row] = simd::hsum(acc[0]) + (bias ? bias[row] : 0.0f);
+// One x row against R weight rows (a block of blocks::kRows, or a last single row), decoded in
+// registers chunk by chunk. Each row is summed into one accumulator in the order the few-row
+// product below sums the decoded rows (blocks::block: chunk after chunk, kLanes values at a time)
+// and finished by the same horizontal sums (blocks::store), so a row's output is the same bit for
+// bit whether it is multiplied alone or beside other x rows: a verification equals its steps.
+template <bool kRound, int R>
+void four_bit_one_row(const FourBit& w, const float* x, const float* bias, float* y, int64_t n, int64_t row) {
+  F acc[R][1];
+  for (auto& a : acc) a[0] = simd::zero();
+  for (int64_t c = 0; c < w.k; c += kChunk4)
+    for (int r = 0; r < R; ++r) {
+      F v[kVectors];
+      w.chunk<kRound>(row + r, c, v);
+      for (int i = 0; i < kVectors; ++i) acc[r][0] = simd::fmadd(v[i], simd::load(x + c + i * simd::kLanes), acc[r][0]);
+    }
+  blocks::store<R, 1>(acc, y, n, 0, row, bias);
 }
 
 // The few-row product (blocks.h) on weight rows row .. row + rows decoded into `decoded` (fp32
@@ -204,19 +211,22 @@ inline void decode_into(const FourBit& w, int64_t row, int64_t c, uint16_t* out)
   _mm512_storeu_si512(out, w.chunk_bf16(row, c));
 }
 
-// One x row of bf16 values: 32 products per vdpbf16ps, two sums.
-template <bool kRound>
-void four_bit_one_row(const FourBit& w, const uint16_t* x, const float* bias, float* y, int64_t row) {
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t c = 0; c < w.k; c += kChunk4) {
-    const __m512i both = w.chunk_bf16(row, c);
-    const __m256i v[2] = {_mm512_castsi512_si256(both), _mm512_extracti64x4_epi64(both, 1)};
-    for (int i = 0; i < 2; ++i) {
-      const __m256i xi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + c + 16 * i));
-      acc[i] = _mm256_dpbf16_ps(acc[i], reinterpret_cast<__m256bh>(v[i]), reinterpret_cast<__m256bh>(xi));
+// One x row of bf16 values against R weight rows: 16 products per vdpbf16ps into one sum per
+// row, in the order of the few-row product's Bf16Weights (see the fp32 twin above).
+template <bool kRound, int R>
+void four_bit_one_row(const FourBit& w, const uint16_t* x, const float* bias, float* y, int64_t n, int64_t row) {
+  __m256 acc[R][1];
+  for (auto& a : acc) a[0] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < w.k; c += kChunk4)
+    for (int r = 0; r < R; ++r) {
+      const __m512i both = w.chunk_bf16(row + r, c);
+      const __m256i v[2] = {_mm512_castsi512_si256(both), _mm512_extracti64x4_epi64(both, 1)};
+      for (int i = 0; i < 2; ++i) {
+        const __m256i xi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + c + 16 * i));
+        acc[r][0] = _mm256_dpbf16_ps(acc[r][0], reinterpret_cast<__m256bh>(v[i]), reinterpret_cast<__m256bh>(xi));
+      }
     }
-  }
-  y[row] = simd::hsum(_mm256_add_ps(acc[0], acc[1])) + (bias ? bias[row] : 0.0f);
+  blocks::store<R, 1>(acc, y, n, 0, row, bias);
 }
 
 // x rows (bf16 values, widened to fp32) in the decoder's order, as bf16.
@@ -267,7 +277,10 @@ void four_bit(const FourBit& w, const Prepared<X>& x, int64_t m, const float* bi
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     const int64_t end = std::min(n, b1 * blocks::kRows);
     if (m == 1) {
-      for (int64_t row = b0 * blocks::kRows; row < end; ++row) four_bit_one_row<kRound>(w, x.row(0), bias, y, row);
+      int64_t row = b0 * blocks::kRows;
+      for (; row + blocks::kRows <= end; row += blocks::kRows)
+        four_bit_one_row<kRound, blocks::kRows>(w, x.row(0), bias, y, n, row);
+      for (; row < end; ++row) four_bit_one_row<kRound, 1>(w, x.row(0), bias, y, n, row);
       return;
     }
     simd::Buffer<X> decoded(blocks::kRows * w.k);
@@ -285,7 +298,9 @@ struct QuantizedX {
   simd::Buffer<uint8_t> unsigned_part;  // |x| (or x + 128 for VNNI)
   simd::Buffer<int8_t> signs;           // x itself (its sign moves onto w)
   std::vector<float> scales;           // absmax of each row's fp16 values below the threshold
-  std::vector<int64_t> outliers;       // outlier columns
+  std::vector<int64_t> outliers;       // the columns that are outliers in some row
+  std::vector<char> own;               // [m, k]: whether column c is an outlier of row j
+  std::vector<int64_t> counts;         // each row's own outlier columns
 };
 
 inline float to_fp16_and_back(float value) { return _cvtsh_ss(_cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT)); }
@@ -348,25 +363,23 @@ inline void store_unsigned(const int8_t* x, uint8_t* out) {
 }
 
 // Rows in parallel (a prefill's thousand rows of k = 4864 took 32 ms on one thread, more than
-// the products of that projection): first the fp16 values, each row's scale and the outlier
-// columns (flags per task, merged), then the quantized rows, in vectors (scalar loops here cost
+// the products of that projection): first the fp16 values, each row's scale and its outlier
+// columns (its own, see the header), then the quantized rows, in vectors (scalar loops here cost
 // 90 us for 8 rows of k = 4864, a third of that projection's weight stream). `unsigned_too`: the
 // layout of the AVX dot products as well (AMX's tiles read the signed values alone).
 QuantizedX quantize_rows(const float* x, int64_t m, int64_t k, float threshold, bool unsigned_too) {
-  QuantizedX q{blocks::round_up(k, kBytes), {}, {}, std::vector<float>(m, 0.0f), {}};
+  QuantizedX q{blocks::round_up(k, kBytes), {}, {}, std::vector<float>(m, 0.0f), {},
+               std::vector<char>(m * k, 0), std::vector<int64_t>(m, 0)};
   std::vector<float> half(m * k);
-  std::vector<char> outlier(k, 0);
-  std::mutex merge;
   // compared in fp16, as torch compares an fp16 tensor; no threshold: NaN, which no |x| reaches (inf neither)
   const float limit = threshold > 0.0f ? to_fp16_and_back(threshold) : std::numeric_limits<float>::quiet_NaN();
   const F limits = simd::set1(limit);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k));
   const int64_t whole = k / simd::kLanes * simd::kLanes;
   at::parallel_for(0, m, grain, [&](int64_t j0, int64_t j1) {
-    std::vector<char> mine(k, 0);
-    bool any = false;
     for (int64_t j = j0; j < j1; ++j) {
       const float* row = x + j * k;
+      char* mine = q.own.data() + j * k;
       float* h = half.data() + j * k;
       F scale = simd::zero();
       for (int64_t c = 0; c < whole; c += simd::kLanes) {
@@ -374,26 +387,30 @@ QuantizedX quantize_rows(const float* x, int64_t m, int64_t k, float threshold, 
         simd::store(h + c, value);
         uint32_t above;
         scale = simd::max_(below(value, limits, above), scale);  // a NaN magnitude leaves the scale
-        for (; above; above &= above - 1) mine[c + __builtin_ctz(above)] = any = true;
+        for (; above; above &= above - 1) mine[c + __builtin_ctz(above)] = 1;
       }
       float tail = 0.0f;
       for (int64_t c = whole; c < k; ++c) {
         h[c] = to_fp16_and_back(row[c]);
         const float magnitude = std::fabs(h[c]);
         if (magnitude >= limit) {
-          mine[c] = any = true;
+          mine[c] = 1;
         } else {
           tail = std::max(tail, magnitude);
         }
       }
       q.scales[j] = std::max(hmax(scale), tail);
+      q.counts[j] = std::count(mine, mine + k, 1);
     }
-    if (!any) return;
-    const std::lock_guard<std::mutex> lock(merge);
-    for (int64_t c = 0; c < k; ++c) outlier[c] |= mine[c];
   });
-  for (int64_t c = 0; c < k; ++c)
-    if (outlier[c]) q.outliers.push_back(c);
+  if (std::any_of(q.counts.begin(), q.counts.end(), [](int64_t count) { return count > 0; })) {
+    std::vector<char> any(k, 0);
+    for (int64_t j = 0; j < m; ++j)
+      if (q.counts[j])
+        for (int64_t c = 0; c < k; ++c) any[c] |= q.own[j * k + c];
+    for (int64_t c = 0; c < k; ++c)
+      if (any[c]) q.outliers.push_back(c);
+  }
   q.signs.assign(m * q.padded_k, 0);
   if (unsigned_too) q.unsigned_part.assign(m * q.padded_k, 0);
   at::parallel_for(0, m, grain, [&](int64_t j0, int64_t j1) {
@@ -406,7 +423,8 @@ QuantizedX quantize_rows(const float* x, int64_t m, int64_t k, float threshold, 
         const F factors = simd::set1(factor);
         for (int64_t c = 0; c < whole; c += simd::kLanes) store_int8(simd::mul(simd::load(h + c), factors), signs + c);
         for (int64_t c = whole; c < k; ++c) signs[c] = static_cast<int8_t>(std::nearbyint(h[c] * factor));
-        for (const int64_t c : q.outliers) signs[c] = 0;
+        if (q.counts[j])
+          for (const int64_t c : q.outliers) signs[c] = q.own[j * k + c] ? 0 : signs[c];
       }
       if (unsigned_too) {  // the padding too: x = 0 there
         uint8_t* unsigned_part = q.unsigned_part.data() + j * q.padded_k;
@@ -500,10 +518,11 @@ void linear_4bit(const float* x, const Packed4& w, const float* bias, float* y, 
     return;
   }
 #if defined(TGI_AMX)
-  // One x row decodes faster to fp32 lanes (0.5B-shaped layers: 2.9 ms against 3.6-3.8 on the
-  // tiles; 8 rows 8.2 against 4.8-5.0): the tiles from 2 rows, whose sums then differ from one
-  // row's in the last bits (as bitsandbytes' fp32 4-bit and LLM.int8() results depend on the rows).
-  if (m >= 2 && amx::permitted()) {
+  // Every row count on the tiles, one x row too, although it decodes faster to fp32 lanes
+  // (0.5B-shaped layers: 2.9 ms against 3.6-3.8 on the tiles; 8 rows 8.2 against 4.8-5.0): the
+  // tiles sum in another order than the lanes, and a row's result must not depend on how many
+  // rows share its product (a verification must equal its one-token steps).
+  if (amx::permitted()) {
     four_bit_tiles(weights, narrow_prepared(prepared, m, k), m, bias, y, n);
   } else {
     four_bit<true>(weights, prepared, m, bias, y, n);
@@ -532,7 +551,8 @@ void linear_int8(const float* x, const Int8Weight& w, const float* bias, float* 
 #endif
   const QuantizedX q = quantize_rows(x, m, k, threshold, !on_tiles);
   const int64_t outliers = static_cast<int64_t>(q.outliers.size());
-  // x's outlier columns, [outlier][row] (rows padded to whole vectors): the outlier sums run over
+  // x's outlier columns, [outlier][row] (rows padded to whole vectors; 0 where the column is not
+  // an outlier of that row: an exact zero term leaves a sum as it was): the outlier sums run over
   // x rows in vector lanes, for R weight rows at once, each row's sum over the columns in their
   // order (mul then add, as the scalar loop compiled without contraction). A batch of 8 rows of
   // the 0.5B has ~15 outlier columns per projection, a prefill of 1024 tokens 100 and more: summed
@@ -540,7 +560,8 @@ void linear_int8(const float* x, const Int8Weight& w, const float* bias, float* 
   const int64_t padded_m = blocks::round_up(m, simd::kLanes);
   simd::Buffer<float> x_outliers(outliers * padded_m, 0.0f);
   for (int64_t j = 0; j < m; ++j)
-    for (int64_t o = 0; o < outliers; ++o) x_outliers[o * padded_m + j] = x[j * k + q.outliers[o]];
+    for (int64_t o = 0; o < outliers; ++o)
+      if (q.own[j * k + q.outliers[o]]) x_outliers[o * padded_m + j] = x[j * k + q.outliers[o]];
   // extra[r * padded_m + j]: weight row row + r's outlier sum for x row j.
   auto outlier_sums = [&]<int R>(int64_t row, float* weights, float* extra) {
     for (int r = 0; r < R; ++r)
@@ -562,7 +583,7 @@ void linear_int8(const float* x, const Int8Weight& w, const float* bias, float* 
   auto finish = [&](int64_t j, int64_t r, int32_t sum, float extra) {  // extra: x row j's outlier sum, row r
     float value = static_cast<float>(sum) * (q.scales[j] * w.scales[r]) * to_float;
     if (bias) value += bias[r];
-    if (outliers) {
+    if (q.counts[j]) {
       if (round_bf16) value = simd::from_bf16(simd::to_bf16(value));
       value += extra;
     }
