@@ -16,7 +16,7 @@ tokens equal off's (greedy, and seeded sampling too: speculative/accept.py). JSO
 benchmark/results/layerskip_modes.json.
 
 Usage: PYTHONPATH=benchmark:tests .venv/bin/python benchmark/layerskip_modes.py
-       [--models ID,ID] [--dtypes float32,bfloat16] [--batches 1,4] [--classes a,b] [--repeats 3]
+       [--models ID,ID] [--dtypes float32,bfloat16] [--quantize FORMAT] [--batches 1,4] [--classes a,b] [--repeats 3]
        [--new-tokens 64] [--prompts-per-class 2] [--threads 2] [--policy auto|FILE] [--speculate 6]
        [--temperature T] [--top-p P]
 """
@@ -57,7 +57,7 @@ def prompt_texts(tokenizer: Any, per_class: int) -> dict[str, list[str]]:
     import json
 
     out: dict[str, list[str]] = {c: [] for c in CLASSES}
-    for n, row in enumerate(build(16)):
+    for n, row in enumerate(build(max(16, 2 * per_class))):  # half of them held out
         prompt = _parse_line(n, json.dumps(row), Path("prompt_classes"))
         if prompt.split != "heldout" or len(out[prompt.category]) >= per_class:
             continue
@@ -154,9 +154,10 @@ def side_by_side(runs: dict[str, CausalLM], prompts: list[str], new_tokens: int,
     return out
 
 
-def model_lms(model_id: str, dtype: str, policy: str, speculate: int) -> tuple[dict[str, CausalLM], str | None]:
+def model_lms(model_id: str, dtype: str, policy: str, speculate: int,
+              quantize: str | None = None) -> tuple[dict[str, CausalLM], str | None]:
     path = download_weights(model_id)
-    model = load_model(path, LoadConfig(dtype=dtype))
+    model = load_model(path, LoadConfig(dtype=dtype, quantize=quantize))
     tokenizer = load_tokenizer(path)
     runner = build_runner(model, "fast")
     found = find_shipped_policy(model) if policy == "auto" else Path(policy)
@@ -180,14 +181,14 @@ def _share(figures: dict[str, Any], drafter: str) -> str:
 
 
 def run_model(model_id: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
-    lms, policy = model_lms(model_id, dtype, args.policy, args.speculate)
+    lms, policy = model_lms(model_id, dtype, args.policy, args.speculate, args.quantize)
     cost = lms["verified"].costs()
     texts = prompt_texts(lms["off"].tokenizer, args.prompts_per_class)
     sampling: dict[str, Any] = {}
     if args.temperature is not None:
         sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
     result: dict[str, Any] = {"policy": policy, "cost_model": cost.to_json(), "rows": {}}
-    print(f"{model_id} {dtype}: policy {policy}; verify(k+1)/step "
+    print(f"{model_id} {dtype} {args.quantize or ''}: policy {policy}; verify(k+1)/step "
           f"{[round(v, 2) for v in cost.to_json()['verify_over_step']]}", flush=True)  # type: ignore[union-attr]
     for name in args.classes.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
@@ -213,6 +214,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=MODELS)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--quantize", default=None, help="bitsandbytes, bitsandbytes-nf4 or bitsandbytes-fp4")
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--classes", default=",".join(CLASSES))
     parser.add_argument("--repeats", type=int, default=3)
@@ -232,7 +234,8 @@ def main() -> None:
     results: dict[str, Any] = {"args": vars(args), "runs": {}}
     for model_id in args.models.split(","):
         for dtype in args.dtypes.split(","):
-            results["runs"][f"{model_id}/{dtype}"] = run_model(model_id, dtype, args)
+            key = f"{model_id}/{dtype}" + (f"/{args.quantize}" if args.quantize else "")
+            results["runs"][key] = run_model(model_id, dtype, args)
             gc.collect()  # one model copy at a time (the 1.5B is 7 GB in float32)
             write_results(args.out, results)
 
