@@ -405,7 +405,7 @@ def _token_by_token(runner: FastLlamaRunner | TransformersRunner, prompt: list[i
 
 
 @pytest.mark.filterwarnings("ignore:MatMul8bitLt")
-def test_int8_within_bitsandbytes_own_noise(model_path: Path, prompts: list[list[int]]) -> None:
+def test_int8_is_bitsandbytes_one_token_at_a_time(model_path: Path, prompts: list[list[int]]) -> None:
     pytest.importorskip("bitsandbytes")
     int8 = load_model(model_path, LoadConfig(quantize="bitsandbytes"))
     fast, ref = build_runner(int8, "fast", FastRunnerConfig(int8_head=False)), TransformersRunner(int8)
@@ -413,10 +413,13 @@ def test_int8_within_bitsandbytes_own_noise(model_path: Path, prompts: list[list
         ref_steps = _token_by_token(ref, prompt)  # type: ignore[arg-type]
         fast_steps = _token_by_token(fast, prompt)  # type: ignore[arg-type]
         fast_all, ref_all = _teacher_forced(fast, [prompt]), _teacher_forced(ref, [prompt])  # type: ignore[arg-type]
-        noise = (ref_all - ref_steps).abs().max()  # bitsandbytes against itself
-        diff = (fast_steps - ref_steps).abs().max()
-        assert diff <= noise, f"int8 decode-step logits differ by {diff}, more than bitsandbytes' own {noise}"
+        noise = (ref_all - ref_steps).abs().max()  # bitsandbytes against itself (measured 1.8-2.3)
+        diff = (fast_steps - ref_steps).abs().max()  # measured 2-3e-5: the order of the outlier sums
+        assert diff <= 1e-3, f"int8 decode-step logits differ by {diff} (bitsandbytes' own noise {noise})"
         assert torch.equal(fast_steps.argmax(-1), ref_steps.argmax(-1)), "int8 decode-step greedy tokens differ"
-        diff = (fast_all - ref_all).abs().max()
-        assert diff <= noise, f"int8 prompt logits differ by {diff}, more than bitsandbytes' own {noise}"
-        assert torch.equal(fast_all.argmax(-1), ref_all.argmax(-1)), "int8 greedy tokens differ"
+        # The kernels take a row's outlier columns from that row alone (bitsandbytes from every row
+        # of the product), so a whole prompt's logits are bitsandbytes' one token at a time.
+        reference = ref_steps if fast.dims.ops is not None else ref_all  # type: ignore[attr-defined]
+        diff = (fast_all - reference).abs().max()
+        assert diff <= 1e-3, f"int8 prompt logits differ by {diff} (bitsandbytes' own noise {noise})"
+        assert torch.equal(fast_all.argmax(-1), reference.argmax(-1)), "int8 greedy tokens differ"
