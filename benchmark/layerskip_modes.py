@@ -16,8 +16,8 @@ tokens equal off's (greedy, and seeded sampling too: speculative/accept.py). JSO
 benchmark/results/layerskip_modes.json.
 
 Usage: PYTHONPATH=benchmark:tests .venv/bin/python benchmark/layerskip_modes.py
-       [--models ID,ID] [--dtypes float32,bfloat16] [--quantize FORMAT] [--batches 1,4] [--classes a,b] [--repeats 3]
-       [--new-tokens 64] [--prompts-per-class 2] [--threads 2] [--policy auto|FILE] [--speculate 6]
+       [--models ID,ID] [--dtypes float32,bfloat16] [--quantize FORMAT] [--batches 1,4] [--classes a,b]
+       [--repeats 3] [--new-tokens 64] [--prompts-per-class 2] [--threads 2] [--policy auto|FILE] [--speculate 6]
        [--temperature T] [--top-p P]
 """
 
