@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from text_generation_server.models import loading
 from text_generation_server.models.loading import LoadConfig, load_model
-from text_generation_server.models.runner import ForwardInputs, build_runner
+from text_generation_server.models.runner import FastRunnerConfig, ForwardInputs, TransformersRunner, build_runner
 
 
 @pytest.mark.parametrize(("quantize", "dtype"), [(None, "float32"), (None, "bfloat16"),
@@ -24,7 +24,18 @@ def test_loaded_weights_are_transformers_own(model_path: Path, quantize: str | N
         pytest.importorskip("bitsandbytes")
     load = LoadConfig(quantize=quantize, dtype=dtype)
     monkeypatch.setattr(loading, "CAST_BLOCK_BYTES", 1 << 20)  # several blocks per large tensor here too
+    reads: list[tuple[torch.dtype, int]] = []
+    read_into = loading._File.read_into
+
+    def spy(self: loading._File, out: torch.Tensor, offset: int) -> None:
+        reads.append((out.dtype, out.numel() * out.element_size()))
+        read_into(self, out, offset)
+
+    monkeypatch.setattr(loading._File, "read_into", spy)
     ours = load_model(model_path, load).state_dict()
+    # the float32 checkpoint: read into the loaded tensors as float32, in 1 MiB blocks to be cast
+    assert reads and all(source == torch.float32 for source, _ in reads)
+    assert dtype == "float32" or max(size for _, size in reads) <= 1 << 20
     kwargs: dict = {"dtype": load.torch_dtype}
     if quantize is not None:
         kwargs.update(quantization_config=loading._bnb_config(load), device_map="cpu")
@@ -35,23 +46,38 @@ def test_loaded_weights_are_transformers_own(model_path: Path, quantize: str | N
     assert not differing, f"loaded differently from transformers' path: {differing[:5]}"
 
 
-def test_untied_embeddings_are_read_from_the_checkpoint(tmp_path: Path, model_path: Path) -> None:
-    """An untied model's input embeddings are read from the checkpoint's float32 table per lookup
-    and cast: the same rows as the loaded bfloat16 table, the same logits from the fast runner,
-    which then holds no table. A tied model (the default one) keeps its loaded table."""
+@pytest.mark.parametrize("quantize", [None, "bitsandbytes-nf4"])
+@pytest.mark.parametrize("int8_head", [False, True])
+def test_deferred_tables_are_read_from_the_checkpoint(tmp_path: Path, model_path: Path, quantize: str | None,
+                                                      int8_head: bool) -> None:
+    """An untied model loaded with deferred tables holds placeholders for its input embeddings and
+    lm_head. The fast runner then looks ids up in the checkpoint's float32 table, cast: the same
+    rows as a loaded bfloat16 table, and reads the head (dense or int8) from the checkpoint: the
+    same logits as from the model loaded whole. The transformers runner reads both tables in. A
+    tied model (the default one) defers nothing."""
+    if quantize is not None:
+        pytest.importorskip("bitsandbytes")
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
-    model = load_model(tmp_path, LoadConfig(dtype="bfloat16"))
-    mapped = loading.mapped_embeddings(model, tmp_path)
-    assert mapped is not None and mapped.source == torch.float32
+    load = LoadConfig(quantize=quantize, dtype="bfloat16")
+    whole, deferred = load_model(tmp_path, load), load_model(tmp_path, load, defer_tables=True)
+    for table in (deferred.get_input_embeddings().weight, deferred.get_output_embeddings().weight):
+        assert table.untyped_storage().nbytes() == 2  # one bfloat16 element, broadcast
+    runner_config = FastRunnerConfig(int8_head=int8_head)
+    served, loaded = build_runner(deferred, "fast", runner_config), build_runner(whole, "fast", runner_config)
+    mapped = served.checkpoint_embeddings()
+    assert mapped is not None and mapped.source == torch.float32 and served.memory_parts()["embeddings"] is None
+    assert loaded.checkpoint_embeddings() is None
     ids = torch.randint(0, 300, (3, 40))
-    assert torch.equal(mapped(ids), model.get_input_embeddings()(ids))
+    assert torch.equal(mapped(ids), whole.get_input_embeddings()(ids))
     with pytest.raises(IndexError, match="token ids 0..300 outside the embedding table of 300"):
         mapped(torch.tensor([0, 300]))
     inputs = ForwardInputs.contiguous(ids[:1, :12])
-    loaded, served = build_runner(model, "fast"), build_runner(model, "fast")
-    assert served.map_embeddings(mapped) and served.memory_parts()["embeddings"] is None
     assert torch.equal(served.forward(inputs, served.new_cache(1)), loaded.forward(inputs, loaded.new_cache(1)))
-    assert loading.mapped_embeddings(load_model(model_path, LoadConfig()), model_path) is None
+    by_modules, reference = TransformersRunner(deferred), TransformersRunner(whole)
+    assert torch.equal(deferred.get_output_embeddings().weight, whole.get_output_embeddings().weight)
+    assert torch.equal(by_modules.forward(inputs, by_modules.new_cache(1)),
+                       reference.forward(inputs, reference.new_cache(1)))
+    assert not load_model(model_path, LoadConfig(), defer_tables=True)._deferred_tables

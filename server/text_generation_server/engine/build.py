@@ -8,7 +8,7 @@ from loguru import logger
 from transformers import GenerationConfig
 
 from ..download import download_weights
-from ..models.loading import LoadConfig, load_model, load_tokenizer, mapped_embeddings
+from ..models.loading import LoadConfig, load_model, load_tokenizer
 from ..models.runner import build_runner
 from ..speculative.controller import SpeculateConfig
 from .causal_lm import CausalLM
@@ -33,14 +33,14 @@ def get_model(model_id: str, revision: str | None, load: LoadConfig, runner_kind
     path = download_weights(model_id, revision)
     tokenizer = load_tokenizer(path, load.trust_remote_code)
     with loading_heap():
-        model = load_model(path, load)
+        model = load_model(path, load, defer_tables=True)
         planner = SkipPlanner(model, layer_skip or LayerSkipConfig())
         runner = build_runner(model, runner_kind)
-        mapped = mapped_embeddings(model, path)
-        if mapped is not None and runner.map_embeddings(mapped):
+        mapped = runner.checkpoint_embeddings()
+        if mapped is not None:
             planner.scheduler.detach_model(mapped)
             logger.info(f"Input embeddings read from the checkpoint per lookup ({mapped.source} rows cast to "
-                        f"{mapped.dtype}); the loaded table is not kept")
+                        f"{mapped.dtype}); no table is held")
         logger.info(f"Runner: {runner.name} ({model.config.model_type}, {runner.num_layers} layers, {runner.dtype})")
         max_positions = int(getattr(model.config.get_text_config(), "max_position_embeddings", 4096))
         del model  # the runner and the planner keep what they read

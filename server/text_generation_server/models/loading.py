@@ -7,26 +7,30 @@ imported lazily, only when one of its modes is asked for.
 
 Design note: transformers memory-maps a safetensors checkpoint, and every page it reads counts
 in the process's resident memory until loading ends: loading a float32 checkpoint as bfloat16
-peaked at the whole file plus the loaded model. Here each tensor is read with pread instead
-(nothing of the file is mapped), and a floating-point tensor to be cast is cast a block of rows
-at a time into its final buffer (`_CastRows`), so the float32 source of a large tensor (an
-embedding table) never exists whole. The loaded weights are bitwise those of transformers' own
-path (tests/server/test_loading.py).
+peaked at the whole file plus the loaded model. Here each tensor is read with pread into its
+final buffer (`CheckpointTensor`; nothing of the file is mapped), and a floating-point tensor to
+be cast is read and cast a block of rows at a time, so the float32 source of a large tensor (an
+embedding table) never exists whole. (safetensors' own pread backend reads a whole tensor for
+every slice asked of it.) The loaded weights are bitwise those of transformers' own path
+(tests/server/test_loading.py).
 
-An untied model's input embeddings are a table of which a step reads a few rows: each lookup
-reads its rows from the checkpoint file (`MappedEmbedding`: one pread per distinct id, served
-from the page cache once read, cast to the served dtype: the same values as the loaded table's)
-instead of holding the whole table (260 MiB for Qwen2.5 0.5B in bfloat16). A memory map was
-measured first: the kernel maps 64 KiB around each faulting row, so 2,000 distinct tokens made
+The server loads an untied model's input embeddings and lm_head as placeholders that hold no
+memory (`load_model(defer_tables=True)`), and whoever serves them reads them from the file: the
+fast runner looks input ids up in the checkpoint per request (`MappedEmbedding`: one pread per
+distinct id, served from the page cache once read, cast to the served dtype) instead of holding
+the table (260 MiB for Qwen2.5 0.5B in bfloat16), and quantizes a quantized model's int8 head
+from row blocks (bitsandbytes keeps the head dense: 260 MiB more while loading); the
+transformers runner reads both whole (`read_deferred_tables`). A memory map was measured for the
+lookups first: the kernel maps 64 KiB around each faulting row, so 2,000 distinct tokens made
 112 MiB of a float32 table resident, growing toward all of it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import warnings
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,53 +96,148 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False) -> PreTrainedTok
 
 CAST_BLOCK_BYTES = 16 << 20  # source bytes cast at a time
 _FLOAT_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+_SOURCE_DTYPES = {code: dtype for dtype, code in _FLOAT_CODES.items()} | {
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool}
 
 
-class _CastRows:
-    """A checkpoint tensor as transformers' loader reads it (`tensor[...]`), read with pread and
-    cast to `dtype` CAST_BLOCK_BYTES of source rows at a time."""
+class _File:
+    """A file open for pread, closed with the last tensor that reads it."""
 
-    def __init__(self, source: Any, dtype: torch.dtype) -> None:
-        self.source, self.dtype = source, dtype  # a safetensors slice (pread)
+    def __init__(self, path: Path) -> None:
+        self.path, self.fd = path, os.open(path, os.O_RDONLY)
+
+    def read_into(self, out: torch.Tensor, offset: int) -> None:
+        """Fill the contiguous tensor `out` with the file's bytes from `offset`."""
+        assert out.is_contiguous()
+        size = out.numel() * out.element_size()
+        if size == 0:
+            return
+        view = memoryview((ctypes.c_char * size).from_address(out.data_ptr())).cast("B")
+        done = 0
+        while done < size:
+            count = os.preadv(self.fd, [view[done:]], offset + done)
+            if count == 0:
+                raise EOFError(f"{self.path}: ends before byte {offset + size}")
+            done += count
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
+class CheckpointTensor:
+    """One tensor of a safetensors file, read with pread into its final buffer (nothing of the
+    file is mapped). `tensor[...]` (what transformers' loader asks) reads it whole as `dtype`,
+    `tensor[start:stop]` a block of rows; a floating tensor stored in another dtype is read and
+    cast CAST_BLOCK_BYTES of source rows at a time."""
+
+    def __init__(self, file: _File, offset: int, shape: tuple[int, ...], source: torch.dtype,
+                 dtype: torch.dtype) -> None:
+        self.file, self.offset, self.shape, self.source = file, offset, torch.Size(shape), source
+        self.dtype = dtype if source.is_floating_point else source
+        self.row_bytes = self.shape[1:].numel() * source.itemsize
 
     def get_shape(self) -> list[int]:
-        return list(self.source.get_shape())
+        return list(self.shape)
 
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        assert index is Ellipsis, f"a checkpoint tensor is read whole, not [{index}]"
-        shape = self.get_shape()
-        if len(shape) < 2:
-            return self.source[...].to(self.dtype)
-        out = torch.empty(shape, dtype=self.dtype)
-        step = max(1, CAST_BLOCK_BYTES // (out[0].numel() * 8))
-        for start in range(0, shape[0], step):
-            end = min(start + step, shape[0])
-            out[start:end] = self.source[start:end]
+    def rows(self, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows start..stop (of the first dimension) as `dtype` (default: the loaded dtype)."""
+        dtype = dtype or self.dtype
+        out = torch.empty((stop - start, *self.shape[1:]), dtype=dtype)
+        if dtype == self.source:
+            self.file.read_into(out, self.offset + start * self.row_bytes)
+            return out
+        step = max(1, CAST_BLOCK_BYTES // max(1, self.row_bytes))
+        block = torch.empty((min(step, stop - start), *self.shape[1:]), dtype=self.source)
+        for first in range(start, stop, step):
+            part = block[:min(step, stop - first)]
+            self.file.read_into(part, self.offset + first * self.row_bytes)
+            out[first - start:first - start + len(part)] = part
         return out
 
+    def read(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if not self.shape:
+            return self.rows(0, 1, dtype).view(())
+        return self.rows(0, self.shape[0], dtype)
 
-def _pread_state(path: Path, model_class: Any, dtype: torch.dtype, stack: ExitStack) -> dict[str, Any] | None:
-    """The checkpoint's tensors as pread slices (floating ones cast to `dtype` row blocks at a
-    time); None where transformers' own path must read it (no safetensors, modules kept in
-    float32 whatever the dtype)."""
-    from safetensors import safe_open
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if index is Ellipsis:
+            return self.read()
+        assert isinstance(index, slice) and index.step is None, f"a checkpoint tensor is read by rows, not [{index}]"
+        start, stop, _ = index.indices(self.shape[0])
+        return self.rows(start, stop)
 
+
+def checkpoint_tensors(path: Path, dtype: torch.dtype) -> dict[str, CheckpointTensor] | None:
+    """Every tensor of the folder's safetensors files, floating ones to be read as `dtype`; None
+    where there are none, or one is stored in a dtype read here does not know."""
+    state: dict[str, CheckpointTensor] = {}
     files = sorted(path.glob("*.safetensors"))
-    if not files or getattr(model_class, "_keep_in_fp32_modules", None) or getattr(
-            model_class, "_keep_in_fp32_modules_strict", None):
-        return None
-    state: dict[str, Any] = {}
-    for file in files:
-        handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu", backend="pread"))
-        for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
-            source = handle.get_slice(name)
-            cast = source.get_dtype() in _FLOAT_CODES and source.get_dtype() != _FLOAT_CODES.get(dtype)
-            state[name] = _CastRows(source, dtype) if cast else source
-    return state
+    for name in files:
+        with open(name, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        file = _File(name)
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            if entry["dtype"] not in _SOURCE_DTYPES:
+                return None
+            state[key] = CheckpointTensor(file, 8 + size + entry["data_offsets"][0], tuple(entry["shape"]),
+                                          _SOURCE_DTYPES[entry["dtype"]], dtype)
+    return state or None
 
 
-def load_model(path: Path, load: LoadConfig) -> PreTrainedModel:
-    """Load a causal LM from a local checkpoint folder with the given strategy (on the CPU)."""
+class _Deferred:
+    """A table loaded as a placeholder that holds no memory (one element, broadcast), read from
+    the checkpoint by whoever serves it (see `deferred_table`)."""
+
+    def __init__(self, source: CheckpointTensor, placeholders: dict[int, CheckpointTensor]) -> None:
+        self.source, self.placeholders = source, placeholders
+
+    def get_shape(self) -> list[int]:
+        return self.source.get_shape()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        assert index is Ellipsis, f"a deferred table is read whole, not [{index}]"
+        placeholder = torch.zeros(1, dtype=self.source.dtype).expand(self.source.shape)
+        self.placeholders[placeholder.data_ptr()] = self.source
+        return placeholder
+
+
+def deferred_table(model: Any, weight: torch.Tensor) -> CheckpointTensor | None:
+    """Where `weight` of a model loaded with `load_model(defer_tables=True)` is still to be read
+    from, or None where it holds its values."""
+    return getattr(model, "_deferred_tables", {}).get(weight.data_ptr())
+
+
+def read_deferred_tables(model: Any) -> None:
+    """Read every deferred table of `model` into its parameter (for a runner that executes the
+    model's own modules)."""
+    for param in model.parameters():
+        source = deferred_table(model, param)
+        if source is not None:
+            param.data = source.read(param.dtype)
+    model._deferred_tables = {}
+
+
+def _vocab_tables(config: Any, state: dict[str, CheckpointTensor]) -> list[str]:
+    """An untied model's input embeddings and lm_head: its [vocab, hidden] floating tensors."""
+    text = config.get_text_config()
+    if getattr(text, "tie_word_embeddings", True):
+        return []
+    shape = torch.Size([int(text.vocab_size), int(text.hidden_size)])
+    return [name for name, tensor in state.items() if tensor.shape == shape and tensor.source.is_floating_point]
+
+
+def load_model(path: Path, load: LoadConfig, defer_tables: bool = False) -> PreTrainedModel:
+    """Load a causal LM from a local checkpoint folder with the given strategy (on the CPU).
+
+    With `defer_tables`, an untied model's input embeddings and lm_head ([vocab, hidden], 260 MiB
+    each for Qwen2.5 0.5B in bfloat16) are loaded as placeholders holding no memory, and their
+    server reads them from the checkpoint (`deferred_table`, `read_deferred_tables`): transformers'
+    loader would build both whole, and bitsandbytes keeps the head dense beside the runner's copy.
+    """
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -151,12 +250,23 @@ def load_model(path: Path, load: LoadConfig) -> PreTrainedModel:
     logger.info(f"Loading {path} (dtype={load.dtype}, quantize={load.quantize})")
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=load.trust_remote_code)
     model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    with ExitStack() as stack:
-        state = _pread_state(path, model_class, load.torch_dtype, stack) if model_class is not None else None
-        if state is None:
-            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-        else:
-            model = model_class.from_pretrained(None, config=config, state_dict=state, **kwargs)
+    # Modules kept in float32 whatever the dtype are read by transformers' own path.
+    own_path = model_class is None or getattr(model_class, "_keep_in_fp32_modules", None) or getattr(
+        model_class, "_keep_in_fp32_modules_strict", None)
+    state: dict[str, Any] | None = None if own_path else checkpoint_tensors(path, load.torch_dtype)
+    if state is None:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        model.eval()
+        return model
+    placeholders: dict[int, CheckpointTensor] = {}
+    for name in _vocab_tables(config, state) if defer_tables else ():
+        state[name] = _Deferred(state[name], placeholders)
+    model = model_class.from_pretrained(None, config=config, state_dict=state, **kwargs)
+    kept = {p.data_ptr() for p in model.parameters()}
+    if any(address not in kept for address in placeholders):  # transformed while loading: read them
+        logger.warning(f"{path}: a vocabulary table was transformed while loading; loading it whole")
+        return load_model(path, load)
+    model._deferred_tables = placeholders
     model.eval()
     return model
 
@@ -165,51 +275,15 @@ class MappedEmbedding(torch.nn.Module):
     """Input embeddings read from the checkpoint file per lookup: each distinct id's row with one
     pread (from the page cache once read), cast to `dtype`. Holds no table: `shape` is its size."""
 
-    def __init__(self, file: Path, offset: int, shape: tuple[int, int], source: torch.dtype,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, table: CheckpointTensor, dtype: torch.dtype) -> None:
         super().__init__()
-        self.fd = os.open(file, os.O_RDONLY)
-        self.offset, self.shape, self.source, self.dtype = offset, torch.Size(shape), source, dtype
-        self.row_bytes = shape[1] * torch.empty((), dtype=source).element_size()
+        self.table, self.shape, self.source, self.dtype = table, table.shape, table.source, dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids, where = torch.unique(input_ids, return_inverse=True)
         if int(ids.min()) < 0 or int(ids.max()) >= self.shape[0]:
             raise IndexError(f"token ids {ids.min()}..{ids.max()} outside the embedding table of {self.shape[0]}")
-        rows = bytearray(len(ids) * self.row_bytes)
+        rows = torch.empty((len(ids), self.shape[1]), dtype=self.source)
         for n, token in enumerate(ids.tolist()):
-            rows[n * self.row_bytes:(n + 1) * self.row_bytes] = os.pread(
-                self.fd, self.row_bytes, self.offset + token * self.row_bytes)
-        table = torch.frombuffer(rows, dtype=self.source).view(len(ids), self.shape[1]).to(self.dtype)
-        return F.embedding(where, table)
-
-    def __del__(self) -> None:
-        os.close(self.fd)
-
-
-_SOURCE_DTYPES = {code: dtype for dtype, code in _FLOAT_CODES.items()}
-
-
-def mapped_embeddings(model: PreTrainedModel, path: Path) -> MappedEmbedding | None:
-    """The model's input embeddings read from its checkpoint table per lookup, or None
-    where that cannot serve: tied to the lm_head (every row is read each step anyway), not found
-    in a safetensors file as a floating table, or a sample of rows differing from the loaded
-    ones (a checkpoint transformed while loading)."""
-    loaded: Any = model.get_input_embeddings()
-    output: Any = model.get_output_embeddings()
-    if output is not None and output.weight.data_ptr() == loaded.weight.data_ptr():
-        return None
-    name = next((n for n, m in model.named_modules() if m is loaded), None)
-    for file in sorted(path.glob("*.safetensors")) if name is not None else ():
-        with open(file, "rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            entry = json.loads(handle.read(size)).get(f"{name}.weight")
-        if entry is None:
-            continue
-        if entry["dtype"] not in _SOURCE_DTYPES or tuple(entry["shape"]) != tuple(loaded.weight.shape):
-            return None
-        table = MappedEmbedding(file, 8 + size + entry["data_offsets"][0], tuple(entry["shape"]),
-                                _SOURCE_DTYPES[entry["dtype"]], loaded.weight.dtype)
-        rows = torch.tensor([[0, table.shape[0] // 2, table.shape[0] - 1]])
-        return table if torch.equal(table(rows), loaded(rows)) else None
-    return None
+            self.table.file.read_into(rows[n], self.table.offset + token * self.table.row_bytes)
+        return F.embedding(where, rows.to(self.dtype))

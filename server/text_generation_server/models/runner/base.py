@@ -135,10 +135,11 @@ class Runner(ABC):
         the first part that reaches a tensor counts it)."""
         return {"weights": self}
 
-    def map_embeddings(self, embedding: torch.nn.Module) -> bool:
-        """Look input ids up with `embedding` (loading.MappedEmbedding: the same values as the
-        loaded table) from now on; False where this runner reads the model's own table."""
-        return False
+    def checkpoint_embeddings(self) -> torch.nn.Module | None:
+        """The module this runner looks input ids up with where it reads them from the checkpoint
+        (loading.MappedEmbedding, for a model loaded with deferred tables); None where it holds
+        or reads the model's own table."""
+        return None
 
     def head_rows(self, ids: torch.Tensor) -> Any:
         """Rows `ids` of the lm_head as a draft's reduced head reads them

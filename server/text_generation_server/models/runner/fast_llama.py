@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from loguru import logger
 
 from ...env import process_env
+from ..loading import CheckpointTensor, MappedEmbedding, deferred_table
 from . import cpu_kernels
 from .base import ForwardInputs, LayerPath, Runner, score_positions
 from .fast_weights import ArchSpec, LayerWeights, Projection, norm_weight, read_layer, read_spec, rope_sources
@@ -287,17 +288,22 @@ class FastLlamaRunner(Runner):
         self._dense_layers = dense_layers if int8_drafts else None  # quantized at the first draft
         self._draft_layers: tuple[CpuOps, list[FusedLayer]] | None = None
         self._draft_heads: dict[tuple[int, int], tuple[torch.Tensor, KernelProjection]] = {}
-        # [vocab, hidden]; None once lookups read the checkpoint (map_embeddings)
-        self.embed: torch.Tensor | None = model.model.embed_tokens.weight.detach().to(self.dtype)
-        self._lookup: torch.nn.Module | None = None
-        # tied: the same tensor as embed; None once it is read as int8 (one copy of the head)
-        self.lm_head: torch.Tensor | None = model.lm_head.weight.detach().to(self.dtype)
+        # [vocab, hidden]; None where lookups read the checkpoint (a deferred table: loading.py)
+        embed_source = deferred_table(model, model.model.embed_tokens.weight)
+        self.embed: torch.Tensor | None = (model.model.embed_tokens.weight.detach().to(self.dtype)
+                                           if embed_source is None else None)
+        self._lookup = MappedEmbedding(embed_source, self.dtype) if embed_source is not None else None
+        head_source = deferred_table(model, model.lm_head.weight)
+        head = model.lm_head.weight.detach().to(self.dtype) if head_source is None else head_source
         quantized = kind in ("4bit", "4bit-bfloat16", "int8") and process_env().kernels.quantized_head == "int8"
         wants_int8 = config.int8_head if config.int8_head is not None else quantized
-        self.int8_lm_head = int8_head(ops, self.lm_head) if ops is not None and wants_int8 else None
+        self.int8_lm_head = int8_head(ops, head) if ops is not None and wants_int8 else None
         self.head_projection = self.int8_lm_head[:] if self.int8_lm_head is not None else None
-        if self.int8_lm_head is not None:
-            self.lm_head = None
+        # tied: the same tensor as embed; None where it is read as int8 (one copy of the head)
+        self.lm_head: torch.Tensor | None = None
+        if self.int8_lm_head is None:
+            self.lm_head = head.read(self.dtype) if isinstance(head, CheckpointTensor) else head
+        else:
             logger.info(f"{self.name}: the lm_head is read as weight-only int8 (blocks of {INT8_HEAD_BLOCK}; "
                         "TGI_QUANTIZED_LM_HEAD=dense keeps it dense); draft heads are its rows")
         self.final_norm = read_final_norm(model, self.spec, self.dtype)
@@ -316,11 +322,8 @@ class FastLlamaRunner(Runner):
                 "layers": [self.layers, self._fused_layers, self.final_norm],
                 "drafts": [self._draft_layers, self._draft_heads], "runner": self}
 
-    def map_embeddings(self, embedding: torch.nn.Module) -> bool:
-        if self.embed is None or getattr(embedding, "shape", None) != self.embed.shape:
-            return False
-        self.embed, self._lookup = None, embedding
-        return True
+    def checkpoint_embeddings(self) -> torch.nn.Module | None:
+        return self._lookup
 
     def head_rows(self, ids: torch.Tensor) -> Int8Head | torch.Tensor:
         if self.int8_lm_head is not None:
@@ -498,9 +501,9 @@ class Int8Head:
         return self.ops.Projection.int8_weights(self.codes[rows], self.scales[rows].reshape(-1), INT8_HEAD_BLOCK, None)
 
 
-def int8_head(ops: CpuOps, weight: torch.Tensor) -> Int8Head:
-    """`weight` `[vocab, hidden]` as an Int8Head, quantized a few MiB of rows at a time (no float32
-    copy of the whole head)."""
+def int8_head(ops: CpuOps, weight: torch.Tensor | CheckpointTensor) -> Int8Head:
+    """`weight` `[vocab, hidden]` (loaded, or read from the checkpoint) as an Int8Head, quantized a
+    few MiB of rows at a time (no float32 copy of the whole head)."""
     vocab, hidden = weight.shape
     codes = torch.empty((vocab, hidden), dtype=torch.int8)
     scales = torch.empty((vocab, hidden // INT8_HEAD_BLOCK), dtype=torch.float32)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from ..loading import read_deferred_tables
 from .base import ForwardInputs, LayerPath, Runner
 from .kv_cache import KVCache
 
@@ -21,6 +22,7 @@ class TransformersRunner(Runner):
     name = "transformers"
 
     def __init__(self, model: PreTrainedModel) -> None:
+        read_deferred_tables(model)  # its modules read their own tables
         self.model = model
         self.config = model.config
         text_config = model.config.get_text_config()
