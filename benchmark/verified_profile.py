@@ -12,7 +12,7 @@ decodes N copies of each prompt together (how batch-4 cycles compare with their 
 `--temperature T` samples, row i with seed i. JSON in benchmark/results/verified_profile.json.
 
 Usage: PYTHONPATH=benchmark:tests .venv/bin/python benchmark/verified_profile.py
-       [--model ID] [--dtype float32] [--class code_completion] [--prompts 2] [--batch 1]
+       [--model ID] [--dtype float32] [--quantize FORMAT] [--class code_completion] [--prompts 2] [--batch 1]
        [--new-tokens 64] [--min-gain-rows F] [--temperature T [--top-p P]]
 """
 
@@ -112,6 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="Qwen/Qwen2.5-Coder-0.5B-Instruct")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantize", default=None, help="bitsandbytes, bitsandbytes-nf4 or bitsandbytes-fp4")
     parser.add_argument("--class", dest="prompt_class", default="code_completion")
     parser.add_argument("--prompts", type=int, default=2, help="prompts of the class, decoded one after another")
     parser.add_argument("--batch", type=int, default=1, help="rows per decode (the prompt repeated)")
@@ -126,13 +127,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    lms, policy = model_lms(args.model, args.dtype, "auto", 6)
+    lms, policy = model_lms(args.model, args.dtype, "auto", 6, args.quantize)
     if args.min_gain_rows is not None:  # this run's bar for its dtype, whatever the kernels
         for lm in lms.values():
             lm.controller.tuning = replace(lm.controller.tuning, min_gain_rows={args.dtype: args.min_gain_rows})
     cost = lms["verified"].costs()
     texts = prompt_texts(lms["off"].tokenizer, args.prompts)[args.prompt_class]
-    print(f"{args.model} {args.dtype}: policy {policy}; step {cost.step_s * 1e3:.1f} ms, verify(k+1)/step "
+    print(f"{args.model} {args.dtype} {args.quantize or ''}: policy {policy}; step {cost.step_s * 1e3:.1f} ms, verify(k+1)/step "
           f"{[round(s / cost.step_s, 2) for s in cost.verify_s]}; drafts "
           f"{[(sorted(s), v, round(one * 1e3, 1)) for (s, v), (one, _) in cost.drafts.items()]}", flush=True)
     sampling: dict[str, Any] = {}
