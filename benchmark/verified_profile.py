@@ -133,8 +133,8 @@ def main() -> None:
             lm.controller.tuning = replace(lm.controller.tuning, min_gain_rows={args.dtype: args.min_gain_rows})
     cost = lms["verified"].costs()
     texts = prompt_texts(lms["off"].tokenizer, args.prompts)[args.prompt_class]
-    print(f"{args.model} {args.dtype} {args.quantize or ''}: policy {policy}; step {cost.step_s * 1e3:.1f} ms, verify(k+1)/step "
-          f"{[round(s / cost.step_s, 2) for s in cost.verify_s]}; drafts "
+    print(f"{args.model} {args.dtype} {args.quantize or ''}: policy {policy}; step {cost.step_s * 1e3:.1f} ms, "
+          f"verify(k+1)/step {[round(s / cost.step_s, 2) for s in cost.verify_s]}; drafts "
           f"{[(sorted(s), v, round(one * 1e3, 1)) for (s, v), (one, _) in cost.drafts.items()]}", flush=True)
     sampling: dict[str, Any] = {}
     if args.temperature is not None:
