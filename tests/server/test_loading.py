@@ -81,3 +81,24 @@ def test_deferred_tables_are_read_from_the_checkpoint(tmp_path: Path, model_path
     assert torch.equal(by_modules.forward(inputs, by_modules.new_cache(1)),
                        reference.forward(inputs, reference.new_cache(1)))
     assert not load_model(model_path, LoadConfig(), defer_tables=True)._deferred_tables
+
+
+@pytest.mark.parametrize("quantize", ["bitsandbytes-nf4", "bitsandbytes"])
+@pytest.mark.filterwarnings("ignore:MatMul8bitLt")
+def test_a_released_model_leaves_the_runner_whole(model_path: Path, quantize: str) -> None:
+    """With `release_model` the fast runner frees each bitsandbytes layer's codes in the model once
+    the kernels hold their own layout of them: the model's projections hold nothing, and the
+    runner's logits are those of a runner built beside a model left whole."""
+    pytest.importorskip("bitsandbytes")
+    load = LoadConfig(quantize=quantize, dtype="bfloat16")
+    kept, given = load_model(model_path, load), load_model(model_path, load)
+    reference = build_runner(kept, "fast")
+    released = build_runner(given, "fast", FastRunnerConfig(release_model=True))
+    if released.cpu_kernels == "none":
+        pytest.skip("the CPU kernels are not built here: the runner keeps bitsandbytes' own layers")
+    assert all(layer.mlp.down_proj.weight.numel() == 0 and layer.self_attn.q_proj.weight.numel() == 0
+               for layer in given.model.layers)
+    assert kept.model.layers[0].mlp.down_proj.weight.numel() > 0
+    inputs = ForwardInputs.contiguous(torch.arange(1, 25).view(1, 24))
+    assert torch.equal(released.forward(inputs, released.new_cache(1)),
+                       reference.forward(inputs, reference.new_cache(1)))

@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 
 from ..download import download_weights
 from ..models.loading import LoadConfig, load_model, load_tokenizer
-from ..models.runner import build_runner
+from ..models.runner import FastRunnerConfig, build_runner
 from ..speculative.controller import SpeculateConfig
 from .causal_lm import CausalLM
 from .memory import loading_heap
@@ -35,7 +35,7 @@ def get_model(model_id: str, revision: str | None, load: LoadConfig, runner_kind
     with loading_heap():
         model = load_model(path, load, defer_tables=True)
         planner = SkipPlanner(model, layer_skip or LayerSkipConfig())
-        runner = build_runner(model, runner_kind)
+        runner = build_runner(model, runner_kind, FastRunnerConfig(release_model=True))  # the model goes below
         mapped = runner.checkpoint_embeddings()
         if mapped is not None:
             planner.scheduler.detach_model(mapped)

@@ -79,6 +79,9 @@ class FastRunnerConfig:
             TGI_DRAFT_WEIGHTS (default int8).
             Verification always reads the model's own weights, so the tokens do not change, only
             how many drafts are accepted.
+        release_model: free each bitsandbytes layer's codes in the model once the kernels have
+            their own layout of them, so that the two never exist whole at once (1.5B nf4: 703
+            MiB); the model's decoder layers cannot run afterwards (for a server that drops it).
     """
 
     dtype: torch.dtype | None = None
@@ -87,6 +90,7 @@ class FastRunnerConfig:
     kernel_switch: str | None = None
     int8_head: bool | None = None
     draft_weights: str | None = None
+    release_model: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
@@ -269,7 +273,7 @@ class FastLlamaRunner(Runner):
         self.cpu_kernels = ops.variant if ops is not None else "none"
         if ops is not None:
             refusals: dict[str, str] = {}
-            self.layers = [kernel_layer(lw, ops, self.dtype, refusals) for lw in self.layers]
+            self.layers = [kernel_layer(lw, ops, self.dtype, refusals, config.release_model) for lw in self.layers]
             log_refusals(self.name, refusals)
         self.dims = Dims(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
                          self.spec.rms_norm_eps, self.spec.activation == "gelu_tanh", ops,

@@ -126,13 +126,27 @@ def to_projection(ops: CpuOps, weight: Any, bias: torch.Tensor | None, dtype: to
     return result
 
 
-def kernel_layer(layer: LayerWeights, ops: CpuOps, dtype: torch.dtype, refusals: dict[str, str]) -> LayerWeights:
-    """The layer with each (projection, bias) pair of pre/post as one kernels' Projection (bias None)."""
+def _release(modules: tuple[Any, ...]) -> None:
+    """Free bitsandbytes modules' codes: their weight's, and LLM.int8()'s CB where it is kept apart."""
+    for module in modules:
+        module.weight.data = module.weight.data.new_empty(0)
+        holders: tuple[Any, ...] = (getattr(module, "state", None), module.weight)
+        for holder in holders:
+            if getattr(holder, "CB", None) is not None:
+                holder.CB = None
+
+
+def kernel_layer(layer: LayerWeights, ops: CpuOps, dtype: torch.dtype, refusals: dict[str, str],
+                 release: bool = False) -> LayerWeights:
+    """The layer with each (projection, bias) pair of pre/post as one kernels' Projection (bias None);
+    with `release`, the bitsandbytes modules' codes that the kernels laid out anew are freed."""
     norm, qkv, qkv_bias, q_norm, k_norm = layer.pre
     o_proj, o_bias, attn_out_norm, mlp_in_norm, gate_up, gate_up_bias, down, down_bias, mlp_out_norm = layer.post
 
     def convert(weight: Any, bias: Any) -> tuple[Any, Any]:
         converted = to_projection(ops, weight, bias, dtype, refusals)
+        if release and converted is not weight and not isinstance(weight, torch.Tensor):
+            _release(weight)
         return converted, (bias if converted is weight else None)
 
     qkv, qkv_bias = convert(qkv, qkv_bias)
