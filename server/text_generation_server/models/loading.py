@@ -95,10 +95,9 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False) -> PreTrainedTok
 
 
 CAST_BLOCK_BYTES = 16 << 20  # source bytes cast at a time
-_FLOAT_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
-_SOURCE_DTYPES = {code: dtype for dtype, code in _FLOAT_CODES.items()} | {
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool}
+_SOURCE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                  "BOOL": torch.bool}  # safetensors' dtype codes
 
 
 class _File:
