@@ -196,7 +196,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         self.max_input_tokens = max_input
         logger.info(f"Warmup done: {padded_tokens} padded tokens, max_input={max_input}, max_total={max_total}")
         memory.release_free_memory()
-        found = self.model.memory(self.cache.batches.values())
+        found = self.model.memory()
         logger.info(f"Memory after warm-up: {memory.describe(found)}")
         return generate_pb2.WarmupResponse(max_input_tokens=max_input, max_total_tokens=max_total,
                                            memory_bytes=found)
@@ -286,7 +286,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             out.batch.CopyFrom(next_batch.to_pb())
         if concat_ns is not None:
             out.concat_ns = concat_ns
-        out.memory_bytes.update(memory.serving(self.cache.batches.values(), self.model.prefixes))
+        out.memory_bytes.update(memory.serving(self.model.pools, self.model.prefixes))
         out.total_ns = time.perf_counter_ns() - start_ns
         return out
 

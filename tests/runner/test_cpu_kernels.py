@@ -150,6 +150,31 @@ def _assert_attention_matches_sdpa(ops: cpu_kernels.CpuOps, q: torch.Tensor, key
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_equals_the_contiguous_cache(ops: cpu_kernels.CpuOps, dtype: torch.dtype) -> None:
+    """A paged cache (each row's columns in scattered slots, padding on the zero slot) gives the
+    bits the same columns give in a contiguous cache; a slot past the pool is refused."""
+    generator = torch.Generator().manual_seed(5)
+    rows, heads, kv_heads, dim, total, capacity = 3, 8, 2, 64, 45, 200
+    pool_k = torch.randn(capacity, kv_heads, dim, generator=generator).to(dtype)
+    pool_v = torch.randn(capacity, kv_heads, dim, generator=generator).to(dtype)
+    pool_k[0], pool_v[0] = 0, 0
+    slots = torch.randperm(capacity - 1, generator=generator)[: rows * total].view(rows, total) + 1
+    slots[2, :7] = 0  # row 2 is left-padded
+    q = torch.randn(rows, 3, heads, dim, generator=generator).to(dtype)
+    allowed = torch.ones(rows, 3, total, dtype=torch.bool).tril(total - 3)
+    allowed[2, :, :7] = False
+    mask = torch.zeros(rows, 1, 3, total, dtype=dtype).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    keys = pool_k[slots].transpose(1, 2)  # [rows, kv, total, dim]
+    values = pool_v[slots].transpose(1, 2)
+    paged = ops.decode_attention(q, pool_k, pool_v, mask, dim**-0.5, slots)
+    assert torch.equal(paged, ops.decode_attention(q, keys, values, mask, dim**-0.5))
+    slots[1, 4] = capacity
+    with pytest.raises(RuntimeError, match=f"slot id {capacity} outside the pool's {capacity} slots"):
+        ops.decode_attention(q, pool_k, pool_v, mask, dim**-0.5, slots)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_matches_sdpa_on_cache_views(ops: cpu_kernels.CpuOps, dtype: torch.dtype) -> None:
     """Grouped heads, left padding in the mask, keys/values as views of a larger cache buffer."""
     generator = torch.Generator().manual_seed(2)

@@ -213,10 +213,10 @@ def test_skip_layers_bypasses_layers_and_allocates_no_cache(model: PreTrainedMod
 
     fast._layer = counting_layer  # type: ignore[method-assign]
     ids = torch.tensor([prompts[0]])
-    cache = fast.new_cache(1)
+    cache = fast.new_cache(1, skip)
     logits = fast.bypassing(skip).forward(ForwardInputs.contiguous(ids), cache)
     assert called == [i for i in range(fast.num_layers) if i not in skip]
-    assert all((cache.keys[i] is None) == (i in skip) for i in range(fast.num_layers))
+    assert all((cache.pool.keys[i] is None) == (i in skip) for i in range(fast.num_layers))
     assert logits.shape == (1, 1, fast.vocab_size)
     # The same computation by hand with transformers' decoder layers.
     with torch.inference_mode():

@@ -200,14 +200,15 @@ def test_calibration_prices_each_prompt_at_its_context() -> None:
 
 
 def test_the_attention_probe_runs_after_long_context_zero_columns() -> None:
-    """The probe that prices attention runs its forward after LONG_CONTEXT cached columns (zeros
-    past the prefilled ones, in buffers grown once); the next probe is back at the prefix."""
+    """The probe that prices attention runs its forward after LONG_CONTEXT cached columns (blocks
+    reserved past the prefilled ones); the next probe is back at the prefix."""
     runner = FastLlamaRunner(tiny_qwen2())
     timer = _Timer(runner, repeats=1, context=64)
     timer.time(4, 4, frozenset(), None, context=LONG_CONTEXT)
     cache = timer.caches[4]
     assert cache.length == LONG_CONTEXT + 4 and cache.num_rows == 4
-    assert all(k is not None and k.shape[2] >= LONG_CONTEXT + 4 for k in cache.keys)
+    assert all(len(table) * cache.block_size >= LONG_CONTEXT + 4 for table in cache.tables)
+    assert all(k is not None and k.shape[0] >= 4 * (LONG_CONTEXT + 4) for k in cache.pool.keys)
     timer.time(4, 2, frozenset(), None)
     assert cache.length == 64 + 2
     timer.add(4, 4, context=LONG_CONTEXT)

@@ -43,7 +43,7 @@ def test_storage_bytes_counts_a_storage_once_and_follows_objects() -> None:
 
 def test_the_account_of_a_loaded_model_with_a_live_batch_and_a_prefix_cache(lm: CausalLM,
                                                                              hf_model: torch.nn.Module) -> None:
-    empty = lm.memory([])
+    empty = lm.memory()
     # SmolLM2's lm_head is tied to the embeddings: counted once, as embeddings.
     embed = lm.runner.embed  # type: ignore[attr-defined]
     assert empty["embeddings"] == embed.numel() * embed.element_size()
@@ -61,11 +61,14 @@ def test_the_account_of_a_loaded_model_with_a_live_batch_and_a_prefix_cache(lm: 
     lm.prefixes = PrefixCache(64 << 20)
     try:
         lm.generate_token(batch)
-        live = lm.memory([batch])
-        assert live["kv"] == sum(g.cache.nbytes() for g in batch.groups) > 0
+        live = lm.memory()
+        (group,) = batch.groups
+        pool = lm.pools(group.skip)
+        assert live["kv"] == lm.pools.nbytes() == pool.nbytes() > 0  # the pool's slots, used or free
+        assert 0 < group.cache.nbytes() == group.cache.blocks() * pool.block_bytes() <= live["kv"]
         assert live["prefix_cache"] == lm.prefixes.nbytes > 0  # the prompt was kept after prefill
         assert live["embeddings"] == empty["embeddings"] and live["layers"] == empty["layers"]
-        serving = memory.serving([batch], lm.prefixes)
+        serving = memory.serving(lm.pools, lm.prefixes)
         assert serving["kv"] == live["kv"] and serving["prefix_cache"] == live["prefix_cache"]
         assert serving["peak"] >= serving["resident"] > 0
     finally:

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..grammar import GrammarKind, GrammarSpec
 from ..layerskip.plan import MODES, SkipPlan
+from ..models.runner.kv_cache import PoolSet
 from ..pb import generate_pb2
 from ..sampling import ChoiceContext, NextTokenChooser, SamplingParams
 from ..speculative.state import SpecState
@@ -194,10 +195,10 @@ class CausalLMBatch:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return cls(batch_id, requests, [], num_layers, pad_id)
 
-    def form_groups(self, keys: dict[int, GroupKey], prefixes: PrefixCache | None = None) -> None:
-        """Before prefill: one group per distinct key, rows in batch order, each row's cached
-        prompt prefix (from `prefixes`) already in its group's cache. A request that asked for
-        its prompt's logprobs runs its whole prompt."""
+    def form_groups(self, keys: dict[int, GroupKey], pools: PoolSet, prefixes: PrefixCache | None = None) -> None:
+        """Before prefill: one group per distinct key, its KV in that key's pool, rows in batch
+        order, each row's cached prompt prefix (from `prefixes`) already in its group's cache. A
+        request that asked for its prompt's logprobs runs its whole prompt."""
         assert not self.groups, "groups are formed once, before prefill"
         members: dict[GroupKey, list[RequestState]] = {}
         for state in self.requests:
@@ -208,7 +209,7 @@ class CausalLMBatch:
                     for s, p in zip(states, prompts, strict=True)]
             for state, hit in zip(states, hits, strict=True):
                 state.cached_tokens = hit.length if hit is not None else 0
-            self.groups.append(PlanGroup.from_prompts(key, [s.id for s in states], prompts, self.num_layers,
+            self.groups.append(PlanGroup.from_prompts(key, [s.id for s in states], prompts, pools(key),
                                                       self.pad_id, hits))
         self.max_tokens = self._estimate_max_tokens()
 

@@ -9,7 +9,6 @@ dataclasses; the servicer turns them into protobuf.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -137,14 +136,15 @@ class CausalLM:
                                           dtype=dtype_name(runner.dtype), kernels=runner.cpu_kernels,
                                           tuning=self.speculation.tuning)
         self._grammars: GrammarCompiler | None = None
+        self.pools = runner.pools  # the batches' paged KV, one pool per skip set
         # set by `serve` from the shard's environment (PREFIX_CACHING, PREFILL_CHUNK_TOKENS)
         self.prefixes: PrefixCache | None = None  # reused prompt prefixes (None: every prompt runs whole)
         self.prefill_chunk = 0  # prompt tokens a group's step may run (0: a prefill runs at once)
 
-    def memory(self, batches: Iterable[CausalLMBatch]) -> dict[str, int]:
-        """Where the shard's memory goes, by part (engine/memory.py), with `batches` live."""
+    def memory(self) -> dict[str, int]:
+        """Where the shard's memory goes, by part (engine/memory.py)."""
         parts = {**self.runner.memory_parts(), "draft_heads": self.heads, "planner": self.planner}
-        return memory.account(parts, batches, self.prefixes)
+        return memory.account(parts, self.pools, self.prefixes)
 
     def grammar_compiler(self, limits: GrammarLimits | None = None) -> GrammarCompiler:
         """The model's grammar compiler: its logits width and EOS set (built once, as it reads the
@@ -210,7 +210,7 @@ class CausalLM:
             keys.update((s.id, NO_SKIP) for s in batch.requests if s.audit_of is not None)
         if self.prefixes is not None:
             self.run_shared_prefixes(batch, keys, self.prefixes)
-        batch.form_groups(keys, self.prefixes)
+        batch.form_groups(keys, self.pools, self.prefixes)
 
     def run_shared_prefixes(self, batch: CausalLMBatch, keys: dict[int, GroupKey], prefixes: PrefixCache) -> None:
         """Run once, and cache, the prompt prefixes that requests of a new batch share (a document
@@ -225,7 +225,7 @@ class CausalLM:
                 hit = prefixes.lookup(key, shared, count=False)
                 if hit is not None and hit.length >= len(shared) - 1:
                     continue
-                row = PlanGroup.from_prompts(key, [0], [shared], self.runner.num_layers, batch.pad_id, [hit])
+                row = PlanGroup.from_prompts(key, [0], [shared], self.pools(key), batch.pad_id, [hit])
                 self.runner.bypassing(key, self.planner.biases).forward(ForwardInputs(*row.forward_inputs()),
                                                                          row.cache)
                 row.advance([0])

@@ -18,14 +18,14 @@ import ctypes
 import ctypes.util
 import gc
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .batch import CausalLMBatch
+from ..models.runner.kv_cache import PoolSet
 from .prefix_cache import PrefixCache
 
 MIB = 2**20
@@ -111,23 +111,20 @@ def loading_heap() -> Iterator[None]:
         release_free_memory()
 
 
-def kv_bytes(batches: Iterable[CausalLMBatch]) -> int:
-    return sum(group.cache.nbytes() for batch in batches for group in batch.groups)
-
-
-def serving(batches: Iterable[CausalLMBatch], prefixes: PrefixCache | None) -> dict[str, int]:
-    """What changes while serving: KV of the live batches, the prefix cache, resident memory and
-    its peak."""
-    return {"kv": kv_bytes(batches), "prefix_cache": prefixes.nbytes if prefixes is not None else 0,
+def serving(pools: PoolSet, prefixes: PrefixCache | None) -> dict[str, int]:
+    """What changes while serving: the KV pools (their blocks in use and free), the prefix cache,
+    resident memory and its peak."""
+    return {"kv": pools.nbytes(), "prefix_cache": prefixes.nbytes if prefixes is not None else 0,
             **process_memory()}
 
 
-def account(parts: dict[str, Any], batches: Iterable[CausalLMBatch], prefixes: PrefixCache | None) -> dict[str, int]:
-    """Bytes by part: the runner's `parts` in their order, `kv`, `prefix_cache`, then `resident`,
-    `peak` and `other` (resident less every tensor counted)."""
+def account(parts: dict[str, Any], pools: PoolSet, prefixes: PrefixCache | None) -> dict[str, int]:
+    """Bytes by part: the runner's `parts` in their order, `kv` (the pools), `prefix_cache`, then
+    `resident`, `peak` and `other` (resident less every tensor counted)."""
     counted: set[int] = set()
+    kv = storage_bytes(pools, counted)  # first: the runner holds its pools, and parts may reach it
     found = {name: storage_bytes(part, counted) for name, part in parts.items()}
-    found["kv"] = storage_bytes([group.cache for batch in batches for group in batch.groups], counted)
+    found["kv"] = kv
     found["prefix_cache"] = storage_bytes(prefixes, counted)
     tensors = sum(found.values())
     found.update(process_memory())

@@ -1,18 +1,19 @@
 """Plan groups: the rows of a batch that bypass the same decoder layers.
 
 Design note: requests whose plans apply the same skip set share one left-padded tensor
-state and one KV cache, so one forward serves them all and a skipped layer allocates no cache
-for the group. A group's key is the set of layers bypassed in every forward (`lossy`). Verified
-requests share the group of the empty set whatever layers their drafts bypass: verification runs
-the full model, and one forward of all rows costs less than one per draft set (each group's
-forward streams the weights again); a cycle's draft forwards bypass the
-layers that every drafting row's plan bypasses (`speculative.controller.CyclePlan.skip`). Groups of one
-batch run one after another (a layer runs only for the groups that need it). Few distinct plans
-keep batching efficient; `off`, `shadow` and `verified` requests always share the group with
-the empty skip set.
+state and one KV cache (paged, in their skip set's pool), so one forward serves them all and
+a skipped layer holds no KV for the group. A group's key is the set of layers bypassed in every
+forward (`lossy`). Verified requests share the group of the empty set whatever layers their
+drafts bypass: verification runs the full model, and one forward of all rows costs less than
+one per draft set (each group's forward streams the weights again); a cycle's draft forwards
+bypass the layers that every drafting row's plan bypasses
+(`speculative.controller.CyclePlan.skip`). Groups of one batch run one after another (a layer
+runs only for the groups that need it). Few distinct plans keep batching efficient; `off`,
+`shadow` and `verified` requests always share the group with the empty skip set.
 
 Tensor layout of a group with `rows` rows:
-- `cache`: the KV cache, `cache.length` columns, each row's tokens right-aligned;
+- `cache`: the KV cache, `cache.length` logical columns, each row's tokens right-aligned
+  (left padding occupies no blocks, see `models/runner/kv_cache.py`);
 - `attention_mask`: `[rows, cache.length]`, 1 for a real token, 0 for left padding;
 - `pending_ids` / `pending_mask`: `[rows, new]`, the tokens to run next (the prompts at
   prefill, less a cached prefix or the chunks already run; the last chosen token after), with
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.runner.kv_cache import KVCache, round_up
+from ..models.runner.kv_cache import BlockPool, KVCache
 from .prefix_cache import Hit, LayerKV
 
 GroupKey = frozenset[int]  # the layers bypassed in every forward of a group
@@ -45,11 +46,11 @@ class PlanGroup:
     prompt_scores: torch.Tensor | None = None  # [rows, run]: prompt logprobs of the chunks run so far
 
     @classmethod
-    def from_prompts(cls, skip: GroupKey, request_ids: list[int], prompts: list[list[int]],
-                     num_layers: int, pad_id: int, hits: list[Hit | None] | None = None) -> PlanGroup:
-        """A group before prefill. Row r's cached prefix (`hits[r]`, from the prefix cache) is
-        in its KV cache already, right-aligned to the longest; the rest of its prompt is
-        pending, left-padded to the longest rest."""
+    def from_prompts(cls, skip: GroupKey, request_ids: list[int], prompts: list[list[int]], pool: BlockPool,
+                     pad_id: int, hits: list[Hit | None] | None = None) -> PlanGroup:
+        """A group before prefill, its KV in `pool` (its skip set's). Row r's cached prefix
+        (`hits[r]`, from the prefix cache) is in its KV cache already, right-aligned to the
+        longest; the rest of its prompt is pending, left-padded to the longest rest."""
         hits = hits or [None] * len(prompts)
         cached = [h.length if h is not None else 0 for h in hits]
         past = max(cached)
@@ -58,24 +59,21 @@ class PlanGroup:
         pending_ids = torch.full((rows, width), pad_id, dtype=torch.long)
         pending_mask = torch.zeros((rows, width), dtype=torch.long)
         attention_mask = torch.zeros((rows, past), dtype=torch.long)
-        cache = KVCache(num_rows=rows, num_layers=num_layers, length=past)
+        cache = KVCache(rows, pool.num_layers, past, pool)
         for row, (prompt, hit) in enumerate(zip(prompts, hits, strict=True)):
             rest = prompt[cached[row]:]
             pending_ids[row, width - len(rest):] = torch.tensor(rest)
             pending_mask[row, width - len(rest):] = 1
             if hit is not None:
                 attention_mask[row, past - hit.length:] = 1
-                _place(cache, row, past, hit.layers, round_up(past + width))
+                cache.write_row(row, past, hit.layers)
         return cls(skip, request_ids, cache, attention_mask, pending_ids, pending_mask)
 
     def row_kv(self, request_id: int) -> list[LayerKV]:
         """One row's keys and values per layer, `[kv_heads, n, head_dim]` over its n real columns
         (holes of padding and rejected drafts left out), in the order the tokens came."""
         row = self.request_ids.index(request_id)
-        columns = self.attention_mask[row].nonzero().squeeze(1)
-        return [None if layer is None else (layer[0][row].index_select(1, columns),
-                                            layer[1][row].index_select(1, columns))
-                for layer in map(self.cache.layer, range(self.cache.num_layers))]
+        return self.cache.row(row, self.attention_mask[row].nonzero().squeeze(1))
 
     @property
     def num_rows(self) -> int:
@@ -191,17 +189,3 @@ class PlanGroup:
         self.pending_ids = torch.tensor([[t] for t in next_ids], dtype=torch.long)
         self.pending_mask = torch.ones((self.num_rows, 1), dtype=torch.long)
 
-
-def _place(cache: KVCache, row: int, end: int, layers: list[LayerKV], capacity: int) -> None:
-    """Write one row's cached keys and values into `cache`, ending at column `end` (buffers
-    allocated with `capacity` columns on first use)."""
-    for i, kv in enumerate(layers):
-        if kv is None:
-            continue
-        k, v = kv
-        if cache.keys[i] is None:
-            heads, _, dim = k.shape
-            cache.keys[i] = k.new_zeros((cache.num_rows, heads, capacity, dim))
-            cache.values[i] = v.new_zeros((cache.num_rows, heads, capacity, dim))
-        cache.keys[i][row, :, end - k.shape[1]:end] = k  # type: ignore[index]
-        cache.values[i][row, :, end - v.shape[1]:end] = v  # type: ignore[index]

@@ -345,10 +345,8 @@ class _Timer:
         runner, context = self.runner, max(context, self.context)
         cache = self._cache(rows)
         cache.crop(self.context)
-        if context > self.context:  # zero columns up to `context`, in buffers grown once
-            for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
-                if k is not None and v is not None:
-                    cache.buffers(i, (k.shape[0], k.shape[1], k.shape[3]), k.dtype, context + new)
+        if context > self.context:  # more columns up to `context` (blocks reserved, contents unread)
+            cache.reserve(context - self.context)
             cache.advance(context - self.context)
         start = time.perf_counter()
         inputs = ForwardInputs.contiguous(torch.zeros((rows, new), dtype=torch.long), context, last_only=False)

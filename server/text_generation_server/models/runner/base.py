@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, PoolSet
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class Model(Protocol):
 
 
 class Runner(ABC):
-    """A model forward over a left-padded batch with a dense KV cache."""
+    """A model forward over a left-padded batch with a paged KV cache."""
 
     name: str  # reported in Info and logs, e.g. "fast-llama" or "transformers"
     cpu_kernels: str  # the CPU kernel variant in use (Info), e.g. "avx2"; "none" for torch's ops
@@ -103,9 +103,17 @@ class Runner(ABC):
     dtype: torch.dtype
     device: torch.device
 
-    @abstractmethod
-    def new_cache(self, num_rows: int) -> KVCache:
-        """An empty cache for num_rows rows."""
+    @property
+    def pools(self) -> PoolSet:
+        """The KV pools of this model's caches, one per skip set (created on first use)."""
+        pools = self.__dict__.get("_pools")
+        if pools is None:
+            pools = self.__dict__["_pools"] = PoolSet(self.num_layers)
+        return pools
+
+    def new_cache(self, num_rows: int, skip: frozenset[int] = frozenset()) -> KVCache:
+        """An empty cache for num_rows rows, in the pool of the skip set its forwards bypass."""
+        return KVCache(num_rows, self.num_layers, pool=self.pools(skip))
 
     @abstractmethod
     def run(self, inputs: ForwardInputs, cache: KVCache, path: LayerPath) -> torch.Tensor:

@@ -294,25 +294,49 @@ Tensor silu_mul(const Tensor& gate_up) {
   return y;
 }
 
+// Slot ids of a paged cache: a contiguous int64 [rows, total] within `capacity` slots.
+void check_slots(const char* op, const Tensor& slots, int64_t rows, int64_t total, int64_t capacity) {
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == rows && slots.size(1) == total && slots.is_contiguous() &&
+              slots.scalar_type() == torch::kLong, op, ": slots must be a contiguous int64 [", rows, ", ", total,
+              "], got ", slots.sizes(), " of ", slots.scalar_type());
+  const int64_t* ids = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows * total; ++i)  // a plain loop: a torch reduction costs more than the layer's reads
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < capacity, op, ": slot id ", ids[i], " outside the pool's ", capacity,
+                " slots");
+}
+
 // q [rows, new, heads, dim] against keys/values [rows, kv_heads, total, dim] (any strides but the
-// last), mask [rows, 1, new, total] additive -> [rows, new, heads * dim].
-Tensor decode_attention(const Tensor& q, const Tensor& keys, const Tensor& values, const Tensor& mask, double scale) {
-  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes() && keys.size(0) == q.size(0) &&
-              keys.size(3) == q.size(3) && q.size(2) % keys.size(1) == 0,
+// last), or, with `slots` [rows, total], against paged keys/values [capacity, kv_heads, dim] whose
+// column t of row r is slot slots[r, t]; mask [rows, 1, new, total] additive -> [rows, new, heads * dim].
+Tensor decode_attention(const Tensor& q, const Tensor& keys, const Tensor& values, const Tensor& mask, double scale,
+                        const c10::optional<Tensor>& slots) {
+  const bool paged = slots.has_value() && slots->defined();
+  const int64_t kv_dims = paged ? 3 : 4;
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == kv_dims && values.sizes() == keys.sizes() &&
+              (paged || keys.size(0) == q.size(0)) && keys.size(kv_dims - 1) == q.size(3) &&
+              q.size(2) % keys.size(1) == 0,
               "decode_attention: q must be [rows, new, heads, dim] with heads a multiple of the kv heads of keys and "
-              "values [rows, kv_heads, total, dim]; got q ", q.sizes(), ", keys ", keys.sizes(), ", values ",
-              values.sizes());
-  TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.stride(3) == 1,
+              "values [rows, kv_heads, total, dim] (paged: [slots, kv_heads, dim]); got q ", q.sizes(), ", keys ",
+              keys.sizes(), ", values ", values.sizes());
+  TORCH_CHECK(q.stride(3) == 1 && keys.stride(kv_dims - 1) == 1 && values.stride(kv_dims - 1) == 1,
               "decode_attention: the last dimension of q, keys and values must be contiguous");
-  TORCH_CHECK(mask.is_contiguous() && mask.numel() == q.size(0) * q.size(1) * keys.size(2),
+  const int64_t total = paged ? slots->size(1) : keys.size(2);
+  if (paged) check_slots("decode_attention", *slots, q.size(0), total, keys.size(0));
+  TORCH_CHECK(mask.is_contiguous() && mask.numel() == q.size(0) * q.size(1) * total,
               "decode_attention: mask must be a contiguous [rows, 1, new, total] tensor");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type() &&
               q.scalar_type() == mask.scalar_type(), "decode_attention: q, keys, values and mask must share a dtype");
   check_float_dtype("decode_attention", q);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2) * q.size(3)}, q.options());
-  const tgi::AttentionShape s{q.size(0), q.size(1), q.size(2), keys.size(1), keys.size(2), q.size(3),
-                              q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-                              values.stride(0), values.stride(1), values.stride(2)};
+  tgi::AttentionShape s{q.size(0), q.size(1), q.size(2), keys.size(1), total, q.size(3),
+                        q.stride(0), q.stride(1), q.stride(2), 0, 0, 0, 0, 0, 0};
+  if (paged) {
+    s.k_head = keys.stride(1), s.k_column = keys.stride(0), s.v_head = values.stride(1), s.v_column = values.stride(0);
+    s.slots = slots->data_ptr<int64_t>();
+  } else {
+    s.k_row = keys.stride(0), s.k_head = keys.stride(1), s.k_column = keys.stride(2);
+    s.v_row = values.stride(0), s.v_head = values.stride(1), s.v_column = values.stride(2);
+  }
   if (q.scalar_type() == torch::kFloat) {
     tgi::attention(ptr<float>(q), ptr<float>(keys), ptr<float>(values), ptr<float>(mask), ptr<float>(out), s,
                    static_cast<float>(scale));
@@ -324,17 +348,17 @@ Tensor decode_attention(const Tensor& q, const Tensor& keys, const Tensor& value
 }
 
 // ---- one decoder layer -------------------------------------------------------------------------
-// cache[:, :, first + t] = src[r, t, g] for src rows of `token_stride` values (kv head g at g * dim).
+// pool[slots[r, first + t]] = src[r, t] for src rows of `token_stride` values (kv heads side by side).
 template <typename T>
-void write_columns(const Tensor& cache, int64_t first, const T* src, int64_t rows, int64_t new_tokens,
-                   int64_t token_stride) {
-  const int64_t kv_heads = cache.size(1), dim = cache.size(3);
-  T* base = ptr<T>(cache);
+void write_columns(const Tensor& pool, const Tensor& slots, int64_t first, const T* src, int64_t rows,
+                   int64_t new_tokens, int64_t token_stride) {
+  const int64_t width = pool.size(1) * pool.size(2), total = slots.size(1);
+  T* base = ptr<T>(pool);
+  const int64_t* ids = slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t t = 0; t < new_tokens; ++t)
-      for (int64_t g = 0; g < kv_heads; ++g)
-        std::memcpy(base + r * cache.stride(0) + g * cache.stride(1) + (first + t) * cache.stride(2),
-                    src + (r * new_tokens + t) * token_stride + g * dim, dim * sizeof(T));
+      std::memcpy(base + ids[r * total + first + t] * pool.stride(0), src + (r * new_tokens + t) * token_stride,
+                  width * sizeof(T));
 }
 
 // The intermediate rows of a layer, carved from one buffer kept per thread: a decode step
@@ -359,7 +383,7 @@ class Scratch {
 };
 
 struct LayerArgs {
-  const Tensor &h, &in_norm, &mlp_norm, &k_cache, &v_cache, &cos, &sin, &mask;
+  const Tensor &h, &in_norm, &mlp_norm, &k_pool, &v_pool, &slots, &cos, &sin, &mask;
   const Projection &qkv, &o_proj, &gate_up, &down;
   int64_t length, heads, kv_heads;
   float eps, scale;
@@ -368,7 +392,7 @@ struct LayerArgs {
 // Same math and rounding steps as fast_llama.pre_attention/post_attention, on raw rows of T.
 template <typename T>
 Tensor layer_rows(const LayerArgs& a) {
-  const int64_t rows = a.h.size(0), new_tokens = a.h.size(1), hidden = a.h.size(2), dim = a.k_cache.size(3);
+  const int64_t rows = a.h.size(0), new_tokens = a.h.size(1), hidden = a.h.size(2), dim = a.k_pool.size(2);
   const int64_t m = rows * new_tokens, q_width = a.heads * dim, qk_width = q_width + a.kv_heads * dim;
   const int64_t qkv_width = a.qkv.n, inner = a.down.k, total = a.length + new_tokens;
   const int64_t widest = std::max({a.qkv.k, a.o_proj.k, a.gate_up.k, a.down.k, a.qkv.n, a.gate_up.n, hidden});
@@ -387,12 +411,12 @@ Tensor layer_rows(const LayerArgs& a) {
   tgi::rms_norm(h, ptr<T>(a.in_norm), normed, m, hidden, a.eps);
   a.qkv.apply(normed, fused, m, x32, y32);
   tgi::rope(fused, qkv_width, dim, ptr<T>(a.cos), ptr<T>(a.sin), roped, m, a.heads + a.kv_heads, dim);
-  write_columns(a.k_cache, a.length, roped + q_width, rows, new_tokens, qk_width);
-  write_columns(a.v_cache, a.length, fused + qk_width, rows, new_tokens, qkv_width);
-  const tgi::AttentionShape s{rows, new_tokens, a.heads, a.kv_heads, total, dim, new_tokens * qk_width, qk_width, dim,
-                              a.k_cache.stride(0), a.k_cache.stride(1), a.k_cache.stride(2), a.v_cache.stride(0),
-                              a.v_cache.stride(1), a.v_cache.stride(2)};
-  tgi::attention(roped, ptr<T>(a.k_cache), ptr<T>(a.v_cache), ptr<T>(a.mask), attn, s, a.scale);
+  write_columns(a.k_pool, a.slots, a.length, roped + q_width, rows, new_tokens, qk_width);
+  write_columns(a.v_pool, a.slots, a.length, fused + qk_width, rows, new_tokens, qkv_width);
+  tgi::AttentionShape s{rows, new_tokens, a.heads, a.kv_heads, total, dim, new_tokens * qk_width, qk_width, dim,
+                        0, a.k_pool.stride(1), a.k_pool.stride(0), 0, a.v_pool.stride(1), a.v_pool.stride(0)};
+  s.slots = a.slots.data_ptr<int64_t>();
+  tgi::attention(roped, ptr<T>(a.k_pool), ptr<T>(a.v_pool), ptr<T>(a.mask), attn, s, a.scale);
   a.o_proj.apply(attn, projected, m, x32, y32);
   tgi::add(h, projected, h2, m * hidden);
   tgi::rms_norm(h2, ptr<T>(a.mlp_norm), normed, m, hidden, a.eps);
@@ -403,26 +427,27 @@ Tensor layer_rows(const LayerArgs& a) {
   return out;
 }
 
-// h [rows, new, hidden]; k_cache/v_cache [rows, kv_heads, capacity, dim] whole buffers, columns
-// `length` .. `length + new` are written; cos/sin [rows, new, 1, dim]; mask [rows, 1, new,
-// length + new]; rows x new <= kMaxRows.
+// h [rows, new, hidden]; k_pool/v_pool [capacity, kv_heads, dim], a paged cache's slots; slots
+// [rows, length + new] the slot of each row's cache column, the last `new` written here; cos/sin
+// [rows, new, 1, dim]; mask [rows, 1, new, length + new]; rows x new <= kMaxRows.
 Tensor decode_layer(const Tensor& h, const Tensor& in_norm, const Projection& qkv, const Projection& o_proj,
-                    const Tensor& mlp_norm, const Projection& gate_up, const Projection& down, const Tensor& k_cache,
-                    const Tensor& v_cache, int64_t length, const Tensor& cos, const Tensor& sin, const Tensor& mask,
+                    const Tensor& mlp_norm, const Projection& gate_up, const Projection& down, const Tensor& k_pool,
+                    const Tensor& v_pool, const Tensor& slots, const Tensor& cos, const Tensor& sin, const Tensor& mask,
                     int64_t heads, int64_t kv_heads, double eps, double scale) {
   TORCH_CHECK(h.dim() == 3 && h.is_contiguous(), "decode_layer: h must be a contiguous [rows, new, hidden]");
   check_float_dtype("decode_layer", h);
   const auto dtype = h.scalar_type();
   const int64_t rows = h.size(0), new_tokens = h.size(1), hidden = h.size(2), m = rows * new_tokens;
   TORCH_CHECK(m >= 1 && m <= tgi::kMaxRows, "decode_layer: ", m, " rows x new tokens; at most ", tgi::kMaxRows);
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == rows &&
-              k_cache.size(1) == kv_heads && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
-              k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-              "decode_layer: caches must be [", rows, ", ", kv_heads, ", capacity, dim] of ", dtype,
-              " with a contiguous last dimension, got ", k_cache.sizes(), " and ", v_cache.sizes());
-  const int64_t dim = k_cache.size(3);
-  TORCH_CHECK(length >= 0 && length + new_tokens <= k_cache.size(2), "decode_layer: columns ", length, " .. ",
-              length + new_tokens, " are outside the cache's ", k_cache.size(2));
+  TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() && k_pool.size(1) == kv_heads &&
+              k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == dtype &&
+              v_pool.scalar_type() == dtype,
+              "decode_layer: the pools must be contiguous [capacity, ", kv_heads, ", dim] of ", dtype, ", got ",
+              k_pool.sizes(), " and ", v_pool.sizes());
+  const int64_t dim = k_pool.size(2), length = slots.dim() == 2 ? slots.size(1) - new_tokens : -1;
+  TORCH_CHECK(length >= 0, "decode_layer: slots must cover the cache and the ", new_tokens, " new columns, got ",
+              slots.sizes());
+  check_slots("decode_layer", slots, rows, length + new_tokens, k_pool.size(0));
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && dim % 2 == 0, "decode_layer: ", heads,
               " heads over ", kv_heads, " kv heads of dim ", dim, " (heads a multiple of kv heads, dim even)");
   for (const Tensor* norm : {&in_norm, &mlp_norm})
@@ -438,7 +463,7 @@ Tensor decode_layer(const Tensor& h, const Tensor& in_norm, const Projection& qk
               down.n == hidden, "decode_layer: projection shapes do not fit hidden ", hidden, ", ", heads, " + 2 x ",
               kv_heads, " heads of ", dim);
   for (const Projection* p : {&qkv, &o_proj, &gate_up, &down}) p->check_input("decode_layer", dtype);
-  const LayerArgs args{h, in_norm, mlp_norm, k_cache, v_cache, cos, sin, mask, qkv, o_proj, gate_up, down,
+  const LayerArgs args{h, in_norm, mlp_norm, k_pool, v_pool, slots, cos, sin, mask, qkv, o_proj, gate_up, down,
                        length, heads, kv_heads, static_cast<float>(eps), static_cast<float>(scale)};
   return dtype == torch::kFloat ? layer_rows<float>(args) : layer_rows<uint16_t>(args);
 }
@@ -471,7 +496,9 @@ void tgi_define_module(pybind11::module_& module) {
           "the tensors it holds (memory accounting)");
   module.def("small_m_linear", &small_m_linear, "y = x @ weight.T (+ bias) for 1..16 rows of x");
   module.def("rms_norm", &rms_norm, "transformers' RMSNorm in one pass (fp32 math)");
-  module.def("decode_attention", &decode_attention, "attention of a few new queries per row against the cache");
+  module.def("decode_attention", &decode_attention, "attention of a few new queries per row against the cache",
+             py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("mask"), py::arg("scale"),
+             py::arg("slots") = py::none());
   module.def("rope", &rope, "x * cos + roll(x, dim / 2) * signed_sin");
   module.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output");
   module.def("decode_layer", &decode_layer, "one Llama-family decoder layer for a few new tokens per row");

@@ -345,9 +345,6 @@ class FastLlamaRunner(Runner):
         self._pre = torch.compile(pre_attention, dynamic=True)
         self._post = torch.compile(post_attention, dynamic=True)
 
-    def new_cache(self, num_rows: int) -> KVCache:
-        return KVCache(num_rows=num_rows, num_layers=self.num_layers)
-
     def _hidden(self, inputs: ForwardInputs, cache: KVCache, path: LayerPath) -> tuple[torch.Tensor, bool]:
         """The decoder layers along `path`: hidden states `[rows, new, hidden]` before the final
         norm, and whether the products were exact (a decode step or verification)."""
@@ -403,15 +400,16 @@ class FastLlamaRunner(Runner):
             ops, draft_layers = self._int8_drafts()
             fused = draft_layers[index]
         if fused is not None and ops is not None:
-            k_cache, v_cache = cache.buffers(index, (rows, dims.num_kv_heads, dims.head_dim), self.dtype,
-                                             cache.length + new)
-            return ops.decode_layer(h, *fused, k_cache, v_cache, cache.length, cos, sin, mask, dims.num_heads,
+            slots = cache.reserve(new)  # first: reserving may grow the pool
+            k_pool, v_pool = cache.buffers(index, dims.num_kv_heads, dims.head_dim, self.dtype)
+            return ops.decode_layer(h, *fused, k_pool, v_pool, slots, cos, sin, mask, dims.num_heads,
                                     dims.num_kv_heads, dims.eps, self.spec.attention_scale)
         q, k, v = self._pre(h, cos, sin, *layer.pre, dims, exact)  # [rows, new, heads, head_dim]
-        keys, values = cache.append(index, k.transpose(1, 2), v.transpose(1, 2))  # [rows, kv, total, dim]
         if dims.ops is not None and new <= cpu_kernels.MAX_ROWS:  # every verification: exact whatever the batch
-            attn = dims.ops.decode_attention(q, keys, values, mask, self.spec.attention_scale)
+            k_pool, v_pool, slots = cache.write(index, k.transpose(1, 2), v.transpose(1, 2))
+            attn = dims.ops.decode_attention(q, k_pool, v_pool, mask, self.spec.attention_scale, slots)
         else:
+            keys, values = cache.append(index, k.transpose(1, 2), v.transpose(1, 2))  # [rows, kv, total, dim]
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                                   scale=self.spec.attention_scale, enable_gqa=True)
             attn = attn.transpose(1, 2).reshape(rows, new, -1)  # [rows, new, heads * head_dim]

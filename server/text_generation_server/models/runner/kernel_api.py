@@ -51,8 +51,9 @@ class CpuOps(Protocol):
         """transformers' RMSNorm over the last dimension of a contiguous x."""
 
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                         scale: float, /) -> torch.Tensor:
-        """q `[rows, new, heads, dim]` against keys/values `[rows, kv, total, dim]` -> `[rows, new, heads * dim]`."""
+                         scale: float, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """q `[rows, new, heads, dim]` against keys/values `[rows, kv, total, dim]`, or with `slots`
+        `[rows, total]` against a paged cache's keys/values `[capacity, kv, dim]` -> `[rows, new, heads * dim]`."""
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, /) -> torch.Tensor:
         """rope.apply_rope of x `[rows, new, heads, dim]` (a view is fine), returned contiguous."""
@@ -61,7 +62,8 @@ class CpuOps(Protocol):
         """silu(gate) * up of a contiguous fused `[..., 2 * inner]` gate/up output."""
 
     def decode_layer(self, h: torch.Tensor, in_norm: torch.Tensor, qkv: _Projection, o_proj: _Projection,
-                     mlp_norm: torch.Tensor, gate_up: _Projection, down: _Projection, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, length: int, cos: torch.Tensor, sin_signed: torch.Tensor,
+                     mlp_norm: torch.Tensor, gate_up: _Projection, down: _Projection, k_pool: torch.Tensor,
+                     v_pool: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                      mask: torch.Tensor, heads: int, kv_heads: int, eps: float, scale: float, /) -> torch.Tensor:
-        """A Llama-family decoder layer for h `[rows, new, hidden]`; writes cache columns `length` on."""
+        """A Llama-family decoder layer for h `[rows, new, hidden]` over a paged cache (`KVCache`):
+        reads the columns of `slots` `[rows, length + new]`, writes the new keys and values to its last `new`."""

@@ -89,8 +89,9 @@ class _SyntheticStep:
         self.layers = [_Layer(norm, *(self._projection(n, k, generator) for n, k in shapes.values()))
                        for _ in range(num_layers)]
         rows = max(ROWS)
-        self.keys = torch.randn(rows, KV_HEADS, CONTEXT + 1, DIM, generator=generator).to(self.dtype)
-        self.values = torch.randn(rows, KV_HEADS, CONTEXT + 1, DIM, generator=generator).to(self.dtype)
+        self.keys = torch.randn(rows * (CONTEXT + 1), KV_HEADS, DIM, generator=generator).to(self.dtype)
+        self.values = torch.randn(rows * (CONTEXT + 1), KV_HEADS, DIM, generator=generator).to(self.dtype)
+        self.slots = torch.arange(rows * (CONTEXT + 1)).view(rows, CONTEXT + 1)  # each row's own columns
         self.cos = torch.ones(rows, 1, 1, DIM, dtype=self.dtype)
         self.sin = torch.zeros(rows, 1, 1, DIM, dtype=self.dtype)
         self.mask = torch.zeros(rows, 1, 1, CONTEXT + 1, dtype=self.dtype)
@@ -108,10 +109,11 @@ class _SyntheticStep:
 
     def __call__(self, rows: int) -> None:
         h = self.h[:rows]
-        keys, values, cos, sin, mask = (t[:rows] for t in (self.keys, self.values, self.cos, self.sin, self.mask))
+        slots, cos, sin, mask = (t[:rows] for t in (self.slots, self.cos, self.sin, self.mask))
         for layer in self.layers:
             h = self.ops.decode_layer(h, layer.norm, layer.qkv, layer.o_proj, layer.norm, layer.gate_up, layer.down,
-                                      keys, values, CONTEXT, cos, sin, mask, HEADS, KV_HEADS, 1e-5, DIM**-0.5)
+                                      self.keys, self.values, slots, cos, sin, mask, HEADS, KV_HEADS, 1e-5,
+                                      DIM**-0.5)
 
 
 def measure(modules: dict[str, CpuOps], kind: str, rounds: int = 4, steps: int = 5) -> dict[str, dict[int, float]]:

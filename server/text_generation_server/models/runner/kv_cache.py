@@ -1,147 +1,327 @@
-"""KV cache of a left-padded batch, shared by every runner.
+"""Paged KV cache, shared by every runner.
 
-Layout: for each decoder layer, a key and a value buffer of shape
-`[num_rows, num_kv_heads, capacity, head_dim]`. All rows share one column count
-`length`; a row's valid tokens are right-aligned in `[0, length)` and the columns to their
-left are padding (masked by the batch's attention mask, which the batch owns). Appending
-writes columns `[length, length + n)` for every row. Buffers grow in buckets so that a decode
-step usually writes in place instead of reallocating.
+Storage: a `BlockPool` holds, for each decoder layer that writes, a key and a value tensor of
+`[capacity * block_size, kv_heads, head_dim]` (one slot per token), handed out in blocks of
+`block_size` slots. Block 0 is never handed out: its slots stay zero, and every padding column
+reads slot 0. A block is freed when the last cache holding it lets go (blocks are counted).
 
-A layer whose entry is None holds no cache at all (a layer skipped for the whole request:
-its KV bytes are never allocated).
+Addressing: a `KVCache` is a batch's view of the pool. Its rows share one logical column count
+`length`, with each row's tokens right-aligned (the batch code's attention mask says which
+columns are real, as with left padding); row r holds a block table and a `start`: its logical
+column `c >= start` lives in slot `table[(c - start) // bs] * bs + (c - start) % bs`, and the
+columns before `start` are padding that occupies no memory. So stacking batches (left padding
+to the longest) and dropping rows move block ids, never keys and values, and a finished row's
+blocks go back to the pool at once. A forward writes its new columns into slots reserved for
+them (`reserve`) and reads the cache through `slots`, `[rows, columns]` slot ids: the CPU
+kernels' attention reads the pool through them in place; the torch paths gather the columns
+they need (`layer`).
+
+A layer a batch skips for its whole life writes nothing: a pool allocates a layer's tensors on
+its first write, and a runner keeps one pool per skip set (`PoolSet`), so a lossy plan's
+bypassed layers hold no KV bytes at all. The pools' tensors are written in inference mode only
+(as forwards run).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+import math
 
 import torch
 
-BUCKET = 64  # columns; capacity is always a multiple of it
+BLOCK_SIZE = 16  # tokens per block (upstream TGI's paged attention uses 16 on most backends)
+INITIAL_BLOCKS = 64
 
 
-def round_up(n: int, bucket: int = BUCKET) -> int:
-    return max(bucket, (n + bucket - 1) // bucket * bucket)
+class BlockPool:
+    """Key/value slots of the layers that write, handed out in counted blocks (module docstring)."""
 
+    def __init__(self, num_layers: int, block_size: int = BLOCK_SIZE) -> None:
+        self.num_layers, self.block_size = num_layers, block_size
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.refs = [1]  # block 0: the zero block, held forever
+        self.free: list[int] = []
 
-@dataclass
-class KVCache:
-    """Per-layer key/value buffers of a left-padded batch (see module docstring)."""
+    @property
+    def capacity(self) -> int:
+        """Blocks the tensors hold (block 0 included)."""
+        return len(self.refs)
 
-    num_rows: int
-    num_layers: int
-    length: int = 0
-    keys: list[torch.Tensor | None] = field(default_factory=list)
-    values: list[torch.Tensor | None] = field(default_factory=list)
+    @property
+    def used_blocks(self) -> int:
+        return self.capacity - 1 - len(self.free)
 
-    def __post_init__(self) -> None:
-        if not self.keys:
+    def allocate(self, n: int) -> list[int]:
+        """n blocks, each held once by the caller."""
+        if n > len(self.free):
+            self._grow(self.capacity + n - len(self.free))
+        blocks = [self.free.pop() for _ in range(n)]
+        for b in blocks:
+            self.refs[b] = 1
+        return blocks
+
+    def hold(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            assert self.refs[b] >= 0, f"block {b} released more often than held"
+            if self.refs[b] == 0:
+                self.free.append(b)
+        if blocks and self.used_blocks == 0:  # idle: give the memory back
             self.keys = [None] * self.num_layers
             self.values = [None] * self.num_layers
-        assert len(self.keys) == len(self.values) == self.num_layers, "one key/value entry per layer"
+            self.refs, self.free = [1], []
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Views of the filled columns of one layer: `[rows, kv_heads, length, head_dim]`."""
+    @torch.inference_mode()
+    def _grow(self, wanted: int) -> None:
+        old = self.capacity
+        capacity = max(wanted, 2 * old, INITIAL_BLOCKS)
+        for i in range(self.num_layers):
+            for tensors in (self.keys, self.values):
+                t = tensors[i]
+                if t is not None:
+                    grown = t.new_zeros((capacity * self.block_size, *t.shape[1:]))
+                    grown[: t.shape[0]] = t
+                    tensors[i] = grown
+        self.refs += [0] * (capacity - old)
+        self.free += range(capacity - 1, old - 1, -1)  # lowest ids first
+
+    @torch.inference_mode()
+    def layer(self, index: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s key and value slots `[capacity * block_size, heads, dim]`, allocated on
+        first use."""
         k, v = self.keys[index], self.values[index]
         if k is None or v is None:
-            return None
-        return k[:, :, : self.length], v[:, :, : self.length]
-
-    def append(self, index: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write `k_new`/`v_new` `[rows, kv_heads, n, head_dim]` after the filled columns.
-
-        The caller advances `length` once per forward with `advance(n)`, after every layer has
-        appended. Returns views of the filled columns including the new ones.
-        """
-        end = self.length + k_new.shape[2]
-        rows, heads, _, dim = k_new.shape
-        k, v = self.buffers(index, (rows, heads, dim), k_new.dtype, end)
-        k[:, :, self.length : end] = k_new
-        v[:, :, self.length : end] = v_new
-        return k[:, :, :end], v[:, :, :end]
-
-    def buffers(self, index: int, shape: tuple[int, int, int], dtype: torch.dtype,
-                end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's whole key and value buffers `[rows, kv_heads, capacity, head_dim]`, grown
-        (in buckets, filled columns kept) to hold at least `end` columns. `shape` is
-        (rows, kv_heads, head_dim). For writers that fill the columns themselves."""
-        k, v = self.keys[index], self.values[index]
-        if k is None or v is None or k.shape[2] < end:
-            rows, heads, dim = shape
-            capacity = round_up(end)
-            k = torch.zeros((rows, heads, capacity, dim), dtype=dtype)
-            v = torch.zeros((rows, heads, capacity, dim), dtype=dtype)
-            old_k, old_v = self.keys[index], self.values[index]
-            if old_k is not None and old_v is not None:
-                k[:, :, : self.length] = old_k[:, :, : self.length]
-                v[:, :, : self.length] = old_v[:, :, : self.length]
+            shape = (self.capacity * self.block_size, heads, dim)
+            k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
             self.keys[index], self.values[index] = k, v
         return k, v
+
+    def block_bytes(self) -> int:
+        """Bytes one block takes over the layers written so far."""
+        per_slot = sum(t[0].numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+        return per_slot * self.block_size
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+
+
+class KVCache:
+    """One batch's rows of a `BlockPool`: block tables, starts and a shared length (module docstring)."""
+
+    def __init__(self, num_rows: int, num_layers: int, length: int = 0, pool: BlockPool | None = None) -> None:
+        self.num_rows, self.num_layers, self.length = num_rows, num_layers, length
+        self.pool = pool if pool is not None else BlockPool(num_layers)
+        assert self.pool.num_layers == num_layers, "the pool serves another model"
+        self.tables: list[list[int]] = [[] for _ in range(num_rows)]
+        self.starts = [length] * num_rows  # a new row's tokens begin at the end
+        self._slots: torch.Tensor | None = None  # slot ids of columns [0, reserved end)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: the pool may be gone
+            self.release()
+
+    def release(self) -> None:
+        """Give every block back (the cache is empty afterwards)."""
+        for table in self.tables:
+            self.pool.release(table)
+        self.tables = [[] for _ in range(self.num_rows)]
+        self.starts = [self.length] * self.num_rows
+        self._slots = None
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def blocks(self) -> int:
+        """Blocks this cache holds (a block shared by two of its rows counts once)."""
+        return len({b for table in self.tables for b in table})
+
+    def nbytes(self) -> int:
+        """Bytes of the blocks held, over the layers the pool stores."""
+        return self.blocks() * self.pool.block_bytes()
+
+    # ---- writing ------------------------------------------------------------------------------
+    def reserve(self, new: int) -> torch.Tensor:
+        """Blocks for `new` more columns in every row; returns the slot ids `[rows, length + new]`
+        of the columns a forward of `new` tokens reads and writes (repeat calls are free)."""
+        end = self.length + new
+        if self._slots is not None and self._slots.shape[1] == end:
+            return self._slots
+        bs = self.block_size
+        for row, table in enumerate(self.tables):
+            needed = math.ceil(max(0, end - self.starts[row]) / bs)
+            if needed > len(table):
+                table += self.pool.allocate(needed - len(table))
+        self._slots = self.slots(end)
+        return self._slots
+
+    def slots(self, end: int) -> torch.Tensor:
+        """Slot ids `[rows, end]` of logical columns `[0, end)` (0 for padding)."""
+        bs = self.block_size
+        width = max((len(t) for t in self.tables), default=0)
+        table = torch.zeros((self.num_rows, max(width, 1)), dtype=torch.long)
+        for row, blocks in enumerate(self.tables):
+            if blocks:
+                table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        starts = torch.tensor(self.starts, dtype=torch.long).unsqueeze(1)
+        position = torch.arange(end, dtype=torch.long).unsqueeze(0) - starts  # [rows, end]
+        lengths = torch.tensor([len(t) for t in self.tables], dtype=torch.long).unsqueeze(1) * bs
+        valid = (position >= 0) & (position < lengths)
+        block = table.gather(1, (position // bs).clamp(0, table.shape[1] - 1))
+        return torch.where(valid, block * bs + position % bs, 0)
+
+    def buffers(self, index: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s key and value slots in the pool (for kernels that write through `slots`;
+        `reserve` first: it may grow the pool)."""
+        return self.pool.layer(index, heads, dim, dtype)
+
+    @torch.inference_mode()
+    def write(self, index: int, k_new: torch.Tensor,
+              v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write `k_new`/`v_new` `[rows, kv_heads, n, head_dim]` after the filled columns; returns
+        the layer's key and value slots and the slot ids `[rows, length + n]` that read them.
+
+        The caller advances `length` once per forward with `advance(n)`, after every layer has
+        written."""
+        _, heads, n, dim = k_new.shape
+        slots = self.reserve(n)
+        k, v = self.pool.layer(index, heads, dim, k_new.dtype)
+        written = slots[:, self.length :].reshape(-1)
+        k.index_copy_(0, written, k_new.transpose(1, 2).reshape(-1, heads, dim))
+        v.index_copy_(0, written, v_new.transpose(1, 2).reshape(-1, heads, dim))
+        return k, v, slots
+
+    def append(self, index: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`write`, then the layer's keys and values `[rows, kv_heads, length + n, head_dim]`
+        (gathered copies, for the torch paths)."""
+        k, v, slots = self.write(index, k_new, v_new)
+        return self._gather(k, slots), self._gather(v, slots)
 
     def advance(self, n: int) -> None:
         """Count n more filled columns (after all layers appended n columns)."""
         self.length += n
+        self._slots = None
+
+    # ---- reading ------------------------------------------------------------------------------
+    @staticmethod
+    def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        rows, columns = slots.shape
+        return pool.index_select(0, slots.reshape(-1)).view(rows, columns, *pool.shape[1:]).transpose(1, 2)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Copies of one layer's filled columns `[rows, kv_heads, length, head_dim]`; None for a
+        layer the pool never stored."""
+        k, v = self.pool.keys[index], self.pool.values[index]
+        if k is None or v is None:
+            return None
+        slots = self.slots(self.length)
+        return self._gather(k, slots), self._gather(v, slots)
+
+    def row(self, row: int, columns: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Copies of one row's keys and values at logical `columns`, `[kv_heads, n, head_dim]` per
+        layer (None for a layer the pool never stored)."""
+        slots = self.slots(self.length)[row].index_select(0, columns)
+        return [None if k is None or v is None else (k.index_select(0, slots).transpose(0, 1),
+                                                     v.index_select(0, slots).transpose(0, 1))
+                for k, v in zip(self.pool.keys, self.pool.values, strict=True)]
+
+    # ---- rows and columns ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def write_row(self, row: int, end: int, layers: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Put one row's keys and values (`[kv_heads, n, head_dim]` per layer, None where the layer
+        has none) in its columns `[end - n, end)`; the row must hold nothing yet."""
+        assert not self.tables[row], "write_row fills an empty row"
+        n = next((kv[0].shape[1] for kv in layers if kv is not None), 0)
+        if n == 0:
+            return
+        self.starts[row] = end - n
+        self.tables[row] = self.pool.allocate(math.ceil(n / self.block_size))
+        position = torch.arange(n)
+        slots = torch.tensor(self.tables[row])[position // self.block_size] * self.block_size \
+            + position % self.block_size
+        for i, kv in enumerate(layers):
+            if kv is not None:
+                k_row, v_row = kv
+                k, v = self.pool.layer(i, k_row.shape[0], k_row.shape[2], k_row.dtype)
+                k.index_copy_(0, slots, k_row.transpose(0, 1))
+                v.index_copy_(0, slots, v_row.transpose(0, 1))
+        self._slots = None
 
     def select(self, rows: list[int], new_length: int) -> KVCache:
-        """A new cache of `rows` (in that order) and the last `new_length` columns, in buffers of
-        its own; this cache is left as it was."""
+        """A cache of `rows` (in that order) and the last `new_length` columns, holding the same
+        blocks (nothing is copied); this cache is left as it was."""
         assert 0 <= new_length <= self.length, f"cannot keep {new_length} of {self.length} columns"
-        index = torch.tensor(rows, dtype=torch.long)
-        start = self.length - new_length
-        out = KVCache(num_rows=len(rows), num_layers=self.num_layers, length=new_length)
-        for i in range(self.num_layers):
-            k, v = self.keys[i], self.values[i]
-            if k is None or v is None:
-                continue
-            capacity = round_up(new_length + 1)
-            new_k = k.new_zeros((len(rows), k.shape[1], capacity, k.shape[3]))
-            new_v = v.new_zeros((len(rows), v.shape[1], capacity, v.shape[3]))
-            new_k[:, :, :new_length] = k.index_select(0, index)[:, :, start : self.length]
-            new_v[:, :, :new_length] = v.index_select(0, index)[:, :, start : self.length]
-            out.keys[i], out.values[i] = new_k, new_v
+        dropped = self.length - new_length
+        out = KVCache(len(rows), self.num_layers, new_length, self.pool)
+        bs = self.block_size
+        for new_row, row in enumerate(rows):
+            start, table = self.starts[row] - dropped, self.tables[row]
+            gone = max(0, -start) // bs  # whole blocks left of the kept columns
+            table = table[gone:]
+            self.pool.hold(table)
+            out.tables[new_row], out.starts[new_row] = table, start + gone * bs
         return out
 
     def filter(self, rows: list[int], new_length: int) -> None:
         """Keep `rows` (in that order) and only the last `new_length` columns, in place."""
         kept = self.select(rows, new_length)
-        self.num_rows, self.length, self.keys, self.values = kept.num_rows, kept.length, kept.keys, kept.values
+        self.release()
+        self.num_rows, self.length, self.tables, self.starts = kept.num_rows, kept.length, kept.tables, kept.starts
+        kept.tables = []  # its holds are ours now
+        self._slots = None
 
     def crop(self, length: int) -> None:
-        """Forget the columns from `length` on (speculative drafts that were rejected)."""
+        """Forget the columns from `length` on (speculative drafts that were rejected); blocks
+        left wholly past them go back to the pool."""
         assert 0 <= length <= self.length, f"cannot crop to {length} of {self.length} columns"
         self.length = length
+        for row, table in enumerate(self.tables):
+            needed = math.ceil(max(0, length - self.starts[row]) / self.block_size)
+            if needed < len(table):
+                self.pool.release(table[needed:])
+                del table[needed:]
+        self._slots = None
 
     @classmethod
     def concatenate(cls, caches: list[KVCache]) -> KVCache:
-        """Stack caches along rows, left-padding each to the longest length.
-
-        All caches must have the same layers present (same plan group).
-        """
+        """Stack caches along rows, left-padding each to the longest length (block ids only)."""
         assert caches, "nothing to concatenate"
-        num_layers = caches[0].num_layers
+        pool = caches[0].pool
+        assert all(c.pool is pool for c in caches), "caches of different pools (skip sets) do not stack"
         length = max(c.length for c in caches)
-        num_rows = sum(c.num_rows for c in caches)
-        out = cls(num_rows=num_rows, num_layers=num_layers, length=length)
-        capacity = round_up(length + 1)
-        for i in range(num_layers):
-            present = [c.keys[i] is not None for c in caches]
-            assert all(present) or not any(present), f"layer {i} cached in some batches only"
-            if not any(present):
-                continue
-            first = caches[0].keys[i]
-            assert first is not None
-            k = first.new_zeros((num_rows, first.shape[1], capacity, first.shape[3]))
-            v = torch.zeros_like(k)
-            row = 0
-            for c in caches:
-                ck, cv = c.layer(i)  # type: ignore[misc]
-                pad = length - c.length
-                k[row : row + c.num_rows, :, pad:length] = ck
-                v[row : row + c.num_rows, :, pad:length] = cv
-                row += c.num_rows
-            out.keys[i], out.values[i] = k, v
+        out = cls(sum(c.num_rows for c in caches), caches[0].num_layers, length, pool)
+        row = 0
+        for c in caches:
+            for table, start in zip(c.tables, c.starts, strict=True):
+                pool.hold(table)
+                out.tables[row], out.starts[row] = list(table), start + length - c.length
+                row += 1
         return out
 
+
+class PoolSet:
+    """The shard's pools: one per skip set, so that a lossy plan's bypassed layers hold no blocks."""
+
+    def __init__(self, num_layers: int, block_size: int = BLOCK_SIZE) -> None:
+        self.num_layers, self.block_size = num_layers, block_size
+        self.pools: dict[frozenset[int], BlockPool] = {}
+
+    def __call__(self, skip: frozenset[int]) -> BlockPool:
+        pool = self.pools.get(skip)
+        if pool is None:
+            pool = self.pools[skip] = BlockPool(self.num_layers, self.block_size)
+        return pool
+
+    def used_blocks(self) -> int:
+        return sum(p.used_blocks for p in self.pools.values())
+
+    def free_blocks(self) -> int:
+        return sum(len(p.free) for p in self.pools.values())
+
     def nbytes(self) -> int:
-        """Bytes held by the buffers (allocated capacity, not only filled columns)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+        return sum(p.nbytes() for p in self.pools.values())

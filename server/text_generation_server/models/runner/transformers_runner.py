@@ -32,9 +32,6 @@ class TransformersRunner(Runner):
         self.dtype = model.dtype
         self.device = model.device
 
-    def new_cache(self, num_rows: int) -> KVCache:
-        return KVCache(num_rows=num_rows, num_layers=self.num_layers)
-
     @torch.inference_mode()
     def run(self, inputs: ForwardInputs, cache: KVCache, path: LayerPath) -> torch.Tensor:
         # no draft weights here: a draft runs the model's own

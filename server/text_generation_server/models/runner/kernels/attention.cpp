@@ -117,15 +117,15 @@ void softmax_numerators(float* scores, const T* mask, int64_t total, float scale
 // a masked column adds exactly 0, so a query's output does not depend on how many masked columns
 // lie before, between or after its own: left padding, rejected drafts' columns, later queries.
 template <int S, int Q, typename T>
-void accumulate_queries(const float* weights, const T* vr, const AttentionShape& s, int64_t offset, float* acc,
-                        float* sums_out) {
+void accumulate_queries(const float* weights, const T* vr, const int64_t* slots, const AttentionShape& s,
+                        int64_t offset, float* acc, float* sums_out) {
   simd::F sums[Q][S], total[Q];
   for (int q = 0; q < Q; ++q) {
     total[q] = simd::zero();
     for (int v = 0; v < S; ++v) sums[q][v] = simd::zero();
   }
   for (int64_t t = 0; t < s.total; ++t) {
-    const T* value = vr + t * s.v_column + offset;
+    const T* value = vr + column_index(slots, t) * s.v_column + offset;
     simd::F w[Q];
     for (int q = 0; q < Q; ++q) w[q] = simd::set1(weights[q * s.total + t]);
     for (int v = 0; v < S; ++v) {
@@ -146,12 +146,12 @@ void accumulate_queries(const float* weights, const T* vr, const AttentionShape&
 }
 
 template <int S, typename T>
-void accumulate(bool pair, const float* weights, const T* vr, const AttentionShape& s, int64_t offset, float* acc,
-                float* sums) {
+void accumulate(bool pair, const float* weights, const T* vr, const int64_t* slots, const AttentionShape& s,
+                int64_t offset, float* acc, float* sums) {
   if constexpr (kQueries == 2) {
-    if (pair) return accumulate_queries<S, 2>(weights, vr, s, offset, acc, sums);
+    if (pair) return accumulate_queries<S, 2>(weights, vr, slots, s, offset, acc, sums);
   }
-  accumulate_queries<S, 1>(weights, vr, s, offset, acc, sums);
+  accumulate_queries<S, 1>(weights, vr, slots, s, offset, acc, sums);
 }
 
 struct Block {
@@ -169,6 +169,7 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
   const int64_t group = s.heads / s.kv_heads, dim = s.dim, total = s.total;
   const T* kr = keys + b.row * s.k_row + b.kv_head * s.k_head;
   const T* vr = values + b.row * s.v_row + b.kv_head * s.v_head;
+  const int64_t* slots = s.row_slots(b.row);
   for (int64_t j = 0; j < b.count; ++j) {
     const T* qr = q + b.row * s.q_row + b.token(j, group) * s.q_token + b.head(j, group) * s.q_head;
     for (int64_t i = 0; i < dim; ++i) queries[j * dim + i] = as_float(qr[i]);
@@ -176,7 +177,8 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
   for (int64_t t = 0; t < total; t += 4) {
     const float* key[4];
     for (int64_t c = 0; c < 4; ++c)
-      key[c] = as_fp32(kr + std::min(t + c, total - 1) * s.k_column, dim, column.data() + c * dim);
+      key[c] = as_fp32(kr + column_index(slots, std::min(t + c, total - 1)) * s.k_column, dim,
+                       column.data() + c * dim);
     for (int64_t j = 0; j < b.count; ++j) {
       float out[4];
       dot4(queries.data() + j * dim, key, dim, out);
@@ -198,12 +200,13 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
     float* sums_out = sums + j;  // taken with the first slab only
     int64_t i = 0;
     for (; i + 8 * simd::kLanes <= whole; i += 8 * simd::kLanes, sums_out = nullptr)
-      accumulate<8>(pair, weights, vr, s, i, a, sums_out);
+      accumulate<8>(pair, weights, vr, slots, s, i, a, sums_out);
     for (; i + 4 * simd::kLanes <= whole; i += 4 * simd::kLanes, sums_out = nullptr)
-      accumulate<4>(pair, weights, vr, s, i, a, sums_out);
+      accumulate<4>(pair, weights, vr, slots, s, i, a, sums_out);
     for (; i + 2 * simd::kLanes <= whole; i += 2 * simd::kLanes, sums_out = nullptr)
-      accumulate<2>(pair, weights, vr, s, i, a, sums_out);
-    for (; i < whole; i += simd::kLanes, sums_out = nullptr) accumulate<1>(pair, weights, vr, s, i, a, sums_out);
+      accumulate<2>(pair, weights, vr, slots, s, i, a, sums_out);
+    for (; i < whole; i += simd::kLanes, sums_out = nullptr)
+      accumulate<1>(pair, weights, vr, slots, s, i, a, sums_out);
     for (int64_t q = j; q < std::min(j + kQueries, b.count); ++q) {
       if (whole == 0) {  // dim < kLanes: no slab took the sum
         sums[q] = 0.0f;
@@ -211,7 +214,8 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
       }
       for (int64_t u = whole; u < dim; ++u) {
         float sum = 0.0f;
-        for (int64_t t = 0; t < total; ++t) sum += scores[q * total + t] * as_float(vr[t * s.v_column + u]);
+        for (int64_t t = 0; t < total; ++t)
+          sum += scores[q * total + t] * as_float(vr[column_index(slots, t) * s.v_column + u]);
         acc[q * dim + u] = sum;
       }
     }

@@ -69,7 +69,14 @@ struct AttentionShape {
   int64_t q_row, q_token, q_head;
   int64_t k_row, k_head, k_column;
   int64_t v_row, v_head, v_column;
+  // Paged caches: column t of row r is key column slots[r * total + t] (k_row and v_row unused,
+  // 0). Null: column t is column t of the row.
+  const int64_t* slots = nullptr;
+
+  const int64_t* row_slots(int64_t row) const { return slots == nullptr ? nullptr : slots + row * total; }
 };
+// Column t's index in a row's keys/values: its slot in a paged cache, else t.
+inline int64_t column_index(const int64_t* row_slots, int64_t t) { return row_slots == nullptr ? t : row_slots[t]; }
 template <typename T>
 void attention(const T* q, const T* keys, const T* values, const T* mask, T* out, const AttentionShape& shape,
                float scale);
