@@ -154,18 +154,19 @@ def test_paged_decode_attention_equals_the_contiguous_cache(ops: cpu_kernels.Cpu
     """A paged cache (each row's columns in scattered slots, padding on the zero slot) gives the
     bits the same columns give in a contiguous cache; a slot past the pool is refused."""
     generator = torch.Generator().manual_seed(5)
-    rows, heads, kv_heads, dim, total, capacity = 3, 8, 2, 64, 45, 200
-    pool_k = torch.randn(capacity, kv_heads, dim, generator=generator).to(dtype)
-    pool_v = torch.randn(capacity, kv_heads, dim, generator=generator).to(dtype)
+    rows, heads, kv_heads, dim, total, blocks, size = 3, 8, 2, 64, 45, 50, 4
+    capacity = blocks * size
+    pool_k = torch.randn(blocks, kv_heads, size, dim, generator=generator).to(dtype)
+    pool_v = torch.randn(blocks, kv_heads, size, dim, generator=generator).to(dtype)
     pool_k[0], pool_v[0] = 0, 0
-    slots = torch.randperm(capacity - 1, generator=generator)[: rows * total].view(rows, total) + 1
+    slots = torch.randperm(capacity - size, generator=generator)[: rows * total].view(rows, total) + size
     slots[2, :7] = 0  # row 2 is left-padded
     q = torch.randn(rows, 3, heads, dim, generator=generator).to(dtype)
     allowed = torch.ones(rows, 3, total, dtype=torch.bool).tril(total - 3)
     allowed[2, :, :7] = False
     mask = torch.zeros(rows, 1, 3, total, dtype=dtype).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-    keys = pool_k[slots].transpose(1, 2)  # [rows, kv, total, dim]
-    values = pool_v[slots].transpose(1, 2)
+    keys = pool_k.transpose(1, 2)[slots // size, slots % size].transpose(1, 2)  # [rows, kv, total, dim]
+    values = pool_v.transpose(1, 2)[slots // size, slots % size].transpose(1, 2)
     paged = ops.decode_attention(q, pool_k, pool_v, mask, dim**-0.5, slots)
     assert torch.equal(paged, ops.decode_attention(q, keys, values, mask, dim**-0.5))
     slots[1, 4] = capacity

@@ -208,7 +208,7 @@ def test_the_attention_probe_runs_after_long_context_zero_columns() -> None:
     cache = timer.caches[4]
     assert cache.length == LONG_CONTEXT + 4 and cache.num_rows == 4
     assert all(len(table) * cache.block_size >= LONG_CONTEXT + 4 for table in cache.tables)
-    assert all(k is not None and k.shape[0] >= 4 * (LONG_CONTEXT + 4) for k in cache.pool.keys)
+    assert all(k is not None and k.shape[0] * k.shape[2] >= 4 * (LONG_CONTEXT + 4) for k in cache.pool.keys)
     timer.time(4, 2, frozenset(), None)
     assert cache.length == 64 + 2
     timer.add(4, 4, context=LONG_CONTEXT)

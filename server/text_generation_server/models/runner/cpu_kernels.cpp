@@ -294,34 +294,57 @@ Tensor silu_mul(const Tensor& gate_up) {
   return y;
 }
 
-// Slot ids of a paged cache: a contiguous int64 [rows, total] within `capacity` slots.
-void check_slots(const char* op, const Tensor& slots, int64_t rows, int64_t total, int64_t capacity) {
+// A paged cache's keys or values: contiguous [blocks, kv_heads, block_size, dim], block_size a
+// power of two; slot s is place s % block_size of block s / block_size.
+void check_pool(const char* op, const Tensor& pool, const Tensor& other, int64_t kv_heads, at::ScalarType dtype) {
+  TORCH_CHECK(pool.dim() == 4 && other.sizes() == pool.sizes() && pool.is_contiguous() && other.is_contiguous() &&
+              pool.size(1) == kv_heads && pool.size(2) > 0 && (pool.size(2) & (pool.size(2) - 1)) == 0 &&
+              pool.scalar_type() == dtype && other.scalar_type() == dtype,
+              op, ": paged keys and values must be contiguous [blocks, ", kv_heads, ", block_size (a power of two), "
+              "dim] of ", dtype, ", got ", pool.sizes(), " and ", other.sizes());
+}
+
+// Slot ids of a paged cache: a contiguous int64 [rows, total], each within the pool's slots.
+void check_slots(const char* op, const Tensor& slots, int64_t rows, int64_t total, const Tensor& pool) {
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == rows && slots.size(1) == total && slots.is_contiguous() &&
               slots.scalar_type() == torch::kLong, op, ": slots must be a contiguous int64 [", rows, ", ", total,
               "], got ", slots.sizes(), " of ", slots.scalar_type());
+  const int64_t capacity = pool.size(0) * pool.size(2);
   const int64_t* ids = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < rows * total; ++i)  // a plain loop: a torch reduction costs more than the layer's reads
     TORCH_CHECK(ids[i] >= 0 && ids[i] < capacity, op, ": slot id ", ids[i], " outside the pool's ", capacity,
                 " slots");
 }
 
+// The attention shape's paged fields for pools [blocks, kv_heads, block_size, dim].
+void set_paged(tgi::AttentionShape& s, const Tensor& keys, const Tensor& values, const Tensor& slots) {
+  s.k_row = s.v_row = 0;
+  s.k_block = keys.stride(0), s.k_head = keys.stride(1), s.k_column = keys.stride(2);
+  s.v_block = values.stride(0), s.v_head = values.stride(1), s.v_column = values.stride(2);
+  s.slots = slots.data_ptr<int64_t>();
+  s.block_shift = 0;
+  while ((int64_t{1} << s.block_shift) < keys.size(2)) ++s.block_shift;
+}
+
 // q [rows, new, heads, dim] against keys/values [rows, kv_heads, total, dim] (any strides but the
-// last), or, with `slots` [rows, total], against paged keys/values [capacity, kv_heads, dim] whose
-// column t of row r is slot slots[r, t]; mask [rows, 1, new, total] additive -> [rows, new, heads * dim].
+// last), or, with `slots` [rows, total], against a paged cache's keys/values [blocks, kv_heads,
+// block_size, dim] whose column t of row r is slot slots[r, t]; mask [rows, 1, new, total]
+// additive -> [rows, new, heads * dim].
 Tensor decode_attention(const Tensor& q, const Tensor& keys, const Tensor& values, const Tensor& mask, double scale,
                         const c10::optional<Tensor>& slots) {
   const bool paged = slots.has_value() && slots->defined();
-  const int64_t kv_dims = paged ? 3 : 4;
-  TORCH_CHECK(q.dim() == 4 && keys.dim() == kv_dims && values.sizes() == keys.sizes() &&
-              (paged || keys.size(0) == q.size(0)) && keys.size(kv_dims - 1) == q.size(3) &&
-              q.size(2) % keys.size(1) == 0,
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes() &&
+              (paged || keys.size(0) == q.size(0)) && keys.size(3) == q.size(3) && q.size(2) % keys.size(1) == 0,
               "decode_attention: q must be [rows, new, heads, dim] with heads a multiple of the kv heads of keys and "
-              "values [rows, kv_heads, total, dim] (paged: [slots, kv_heads, dim]); got q ", q.sizes(), ", keys ",
-              keys.sizes(), ", values ", values.sizes());
-  TORCH_CHECK(q.stride(3) == 1 && keys.stride(kv_dims - 1) == 1 && values.stride(kv_dims - 1) == 1,
+              "values [rows, kv_heads, total, dim] (paged: [blocks, kv_heads, block_size, dim]); got q ", q.sizes(),
+              ", keys ", keys.sizes(), ", values ", values.sizes());
+  TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.stride(3) == 1,
               "decode_attention: the last dimension of q, keys and values must be contiguous");
   const int64_t total = paged ? slots->size(1) : keys.size(2);
-  if (paged) check_slots("decode_attention", *slots, q.size(0), total, keys.size(0));
+  if (paged) {
+    check_pool("decode_attention", keys, values, keys.size(1), q.scalar_type());
+    check_slots("decode_attention", *slots, q.size(0), total, keys);
+  }
   TORCH_CHECK(mask.is_contiguous() && mask.numel() == q.size(0) * q.size(1) * total,
               "decode_attention: mask must be a contiguous [rows, 1, new, total] tensor");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type() &&
@@ -329,14 +352,9 @@ Tensor decode_attention(const Tensor& q, const Tensor& keys, const Tensor& value
   check_float_dtype("decode_attention", q);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2) * q.size(3)}, q.options());
   tgi::AttentionShape s{q.size(0), q.size(1), q.size(2), keys.size(1), total, q.size(3),
-                        q.stride(0), q.stride(1), q.stride(2), 0, 0, 0, 0, 0, 0};
-  if (paged) {
-    s.k_head = keys.stride(1), s.k_column = keys.stride(0), s.v_head = values.stride(1), s.v_column = values.stride(0);
-    s.slots = slots->data_ptr<int64_t>();
-  } else {
-    s.k_row = keys.stride(0), s.k_head = keys.stride(1), s.k_column = keys.stride(2);
-    s.v_row = values.stride(0), s.v_head = values.stride(1), s.v_column = values.stride(2);
-  }
+                        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+                        values.stride(0), values.stride(1), values.stride(2)};
+  if (paged) set_paged(s, keys, values, *slots);
   if (q.scalar_type() == torch::kFloat) {
     tgi::attention(ptr<float>(q), ptr<float>(keys), ptr<float>(values), ptr<float>(mask), ptr<float>(out), s,
                    static_cast<float>(scale));
@@ -348,17 +366,21 @@ Tensor decode_attention(const Tensor& q, const Tensor& keys, const Tensor& value
 }
 
 // ---- one decoder layer -------------------------------------------------------------------------
-// pool[slots[r, first + t]] = src[r, t] for src rows of `token_stride` values (kv heads side by side).
+// pool's slot slots[r, first + t] = src[r, t], for src rows of `token_stride` values (kv head g at g * dim).
 template <typename T>
 void write_columns(const Tensor& pool, const Tensor& slots, int64_t first, const T* src, int64_t rows,
                    int64_t new_tokens, int64_t token_stride) {
-  const int64_t width = pool.size(1) * pool.size(2), total = slots.size(1);
+  const int64_t kv_heads = pool.size(1), block_size = pool.size(2), dim = pool.size(3), total = slots.size(1);
   T* base = ptr<T>(pool);
   const int64_t* ids = slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t t = 0; t < new_tokens; ++t)
-      std::memcpy(base + ids[r * total + first + t] * pool.stride(0), src + (r * new_tokens + t) * token_stride,
-                  width * sizeof(T));
+    for (int64_t t = 0; t < new_tokens; ++t) {
+      const int64_t slot = ids[r * total + first + t];
+      T* column = base + slot / block_size * pool.stride(0) + slot % block_size * pool.stride(2);
+      for (int64_t g = 0; g < kv_heads; ++g)
+        std::memcpy(column + g * pool.stride(1), src + (r * new_tokens + t) * token_stride + g * dim,
+                    dim * sizeof(T));
+    }
 }
 
 // The intermediate rows of a layer, carved from one buffer kept per thread: a decode step
@@ -392,7 +414,7 @@ struct LayerArgs {
 // Same math and rounding steps as fast_llama.pre_attention/post_attention, on raw rows of T.
 template <typename T>
 Tensor layer_rows(const LayerArgs& a) {
-  const int64_t rows = a.h.size(0), new_tokens = a.h.size(1), hidden = a.h.size(2), dim = a.k_pool.size(2);
+  const int64_t rows = a.h.size(0), new_tokens = a.h.size(1), hidden = a.h.size(2), dim = a.k_pool.size(3);
   const int64_t m = rows * new_tokens, q_width = a.heads * dim, qk_width = q_width + a.kv_heads * dim;
   const int64_t qkv_width = a.qkv.n, inner = a.down.k, total = a.length + new_tokens;
   const int64_t widest = std::max({a.qkv.k, a.o_proj.k, a.gate_up.k, a.down.k, a.qkv.n, a.gate_up.n, hidden});
@@ -414,8 +436,8 @@ Tensor layer_rows(const LayerArgs& a) {
   write_columns(a.k_pool, a.slots, a.length, roped + q_width, rows, new_tokens, qk_width);
   write_columns(a.v_pool, a.slots, a.length, fused + qk_width, rows, new_tokens, qkv_width);
   tgi::AttentionShape s{rows, new_tokens, a.heads, a.kv_heads, total, dim, new_tokens * qk_width, qk_width, dim,
-                        0, a.k_pool.stride(1), a.k_pool.stride(0), 0, a.v_pool.stride(1), a.v_pool.stride(0)};
-  s.slots = a.slots.data_ptr<int64_t>();
+                        0, 0, 0, 0, 0, 0};
+  set_paged(s, a.k_pool, a.v_pool, a.slots);
   tgi::attention(roped, ptr<T>(a.k_pool), ptr<T>(a.v_pool), ptr<T>(a.mask), attn, s, a.scale);
   a.o_proj.apply(attn, projected, m, x32, y32);
   tgi::add(h, projected, h2, m * hidden);
@@ -427,9 +449,9 @@ Tensor layer_rows(const LayerArgs& a) {
   return out;
 }
 
-// h [rows, new, hidden]; k_pool/v_pool [capacity, kv_heads, dim], a paged cache's slots; slots
-// [rows, length + new] the slot of each row's cache column, the last `new` written here; cos/sin
-// [rows, new, 1, dim]; mask [rows, 1, new, length + new]; rows x new <= kMaxRows.
+// h [rows, new, hidden]; k_pool/v_pool [blocks, kv_heads, block_size, dim], a paged cache's
+// keys and values; slots [rows, length + new] the slot of each row's cache column, the last `new`
+// written here; cos/sin [rows, new, 1, dim]; mask [rows, 1, new, length + new]; rows x new <= kMaxRows.
 Tensor decode_layer(const Tensor& h, const Tensor& in_norm, const Projection& qkv, const Projection& o_proj,
                     const Tensor& mlp_norm, const Projection& gate_up, const Projection& down, const Tensor& k_pool,
                     const Tensor& v_pool, const Tensor& slots, const Tensor& cos, const Tensor& sin, const Tensor& mask,
@@ -439,15 +461,11 @@ Tensor decode_layer(const Tensor& h, const Tensor& in_norm, const Projection& qk
   const auto dtype = h.scalar_type();
   const int64_t rows = h.size(0), new_tokens = h.size(1), hidden = h.size(2), m = rows * new_tokens;
   TORCH_CHECK(m >= 1 && m <= tgi::kMaxRows, "decode_layer: ", m, " rows x new tokens; at most ", tgi::kMaxRows);
-  TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() && k_pool.size(1) == kv_heads &&
-              k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == dtype &&
-              v_pool.scalar_type() == dtype,
-              "decode_layer: the pools must be contiguous [capacity, ", kv_heads, ", dim] of ", dtype, ", got ",
-              k_pool.sizes(), " and ", v_pool.sizes());
-  const int64_t dim = k_pool.size(2), length = slots.dim() == 2 ? slots.size(1) - new_tokens : -1;
+  check_pool("decode_layer", k_pool, v_pool, kv_heads, dtype);
+  const int64_t dim = k_pool.size(3), length = slots.dim() == 2 ? slots.size(1) - new_tokens : -1;
   TORCH_CHECK(length >= 0, "decode_layer: slots must cover the cache and the ", new_tokens, " new columns, got ",
               slots.sizes());
-  check_slots("decode_layer", slots, rows, length + new_tokens, k_pool.size(0));
+  check_slots("decode_layer", slots, rows, length + new_tokens, k_pool);
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && dim % 2 == 0, "decode_layer: ", heads,
               " heads over ", kv_heads, " kv heads of dim ", dim, " (heads a multiple of kv heads, dim even)");
   for (const Tensor* norm : {&in_norm, &mlp_norm})

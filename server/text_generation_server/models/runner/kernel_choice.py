@@ -34,6 +34,7 @@ from loguru import logger
 
 from . import kernel_build
 from .kernel_api import CpuOps, Projection
+from .kv_cache import BLOCK_SIZE
 
 KINDS = ("float32", "bfloat16", "4bit", "4bit-bfloat16", "int8")  # weight formats of the fast runner's projections
 # (4bit: bitsandbytes 4-bit with an fp32 compute dtype; 4bit-bfloat16: with bf16, which the avx512_bf16 variant
@@ -89,8 +90,9 @@ class _SyntheticStep:
         self.layers = [_Layer(norm, *(self._projection(n, k, generator) for n, k in shapes.values()))
                        for _ in range(num_layers)]
         rows = max(ROWS)
-        self.keys = torch.randn(rows * (CONTEXT + 1), KV_HEADS, DIM, generator=generator).to(self.dtype)
-        self.values = torch.randn(rows * (CONTEXT + 1), KV_HEADS, DIM, generator=generator).to(self.dtype)
+        blocks = -(-rows * (CONTEXT + 1) // BLOCK_SIZE)
+        self.keys = torch.randn(blocks, KV_HEADS, BLOCK_SIZE, DIM, generator=generator).to(self.dtype)
+        self.values = torch.randn(blocks, KV_HEADS, BLOCK_SIZE, DIM, generator=generator).to(self.dtype)
         self.slots = torch.arange(rows * (CONTEXT + 1)).view(rows, CONTEXT + 1)  # each row's own columns
         self.cos = torch.ones(rows, 1, 1, DIM, dtype=self.dtype)
         self.sin = torch.zeros(rows, 1, 1, DIM, dtype=self.dtype)

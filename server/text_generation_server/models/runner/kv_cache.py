@@ -1,9 +1,11 @@
 """Paged KV cache, shared by every runner.
 
 Storage: a `BlockPool` holds, for each decoder layer that writes, a key and a value tensor of
-`[capacity * block_size, kv_heads, head_dim]` (one slot per token), handed out in blocks of
-`block_size` slots. Block 0 is never handed out: its slots stay zero, and every padding column
-reads slot 0. A block is freed when the last cache holding it lets go (blocks are counted).
+`[blocks, kv_heads, block_size, head_dim]`, handed out by block; slot `s` (one token's keys or
+values) is place `s % block_size` of block `s // block_size`, so one head's columns of a block
+are contiguous, as attention reads them. Block 0 is never handed out: its slots stay zero, and
+every padding column reads slot 0. A block is freed when the last cache holding it lets go
+(blocks are counted).
 
 Addressing: a `KVCache` is a batch's view of the pool. Its rows share one logical column count
 `length`, with each row's tokens right-aligned (the batch code's attention mask says which
@@ -29,7 +31,7 @@ import math
 
 import torch
 
-BLOCK_SIZE = 16  # tokens per block (upstream TGI's paged attention uses 16 on most backends)
+BLOCK_SIZE = 64  # tokens per block: 16 decoded 8 rows of 600 tokens 10-15% slower than a dense cache, 64 as fast
 INITIAL_BLOCKS = 64
 
 
@@ -84,7 +86,7 @@ class BlockPool:
             for tensors in (self.keys, self.values):
                 t = tensors[i]
                 if t is not None:
-                    grown = t.new_zeros((capacity * self.block_size, *t.shape[1:]))
+                    grown = t.new_zeros((capacity, *t.shape[1:]))
                     grown[: t.shape[0]] = t
                     tensors[i] = grown
         self.refs += [0] * (capacity - old)
@@ -92,19 +94,18 @@ class BlockPool:
 
     @torch.inference_mode()
     def layer(self, index: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `index`'s key and value slots `[capacity * block_size, heads, dim]`, allocated on
-        first use."""
+        """Layer `index`'s keys and values `[capacity, heads, block_size, dim]`, allocated on first
+        use."""
         k, v = self.keys[index], self.values[index]
         if k is None or v is None:
-            shape = (self.capacity * self.block_size, heads, dim)
+            shape = (self.capacity, heads, self.block_size, dim)
             k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
             self.keys[index], self.values[index] = k, v
         return k, v
 
     def block_bytes(self) -> int:
         """Bytes one block takes over the layers written so far."""
-        per_slot = sum(t[0].numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
-        return per_slot * self.block_size
+        return sum(t[0].numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
@@ -191,9 +192,9 @@ class KVCache:
         _, heads, n, dim = k_new.shape
         slots = self.reserve(n)
         k, v = self.pool.layer(index, heads, dim, k_new.dtype)
-        written = slots[:, self.length :].reshape(-1)
-        k.index_copy_(0, written, k_new.transpose(1, 2).reshape(-1, heads, dim))
-        v.index_copy_(0, written, v_new.transpose(1, 2).reshape(-1, heads, dim))
+        written = self._at(slots[:, self.length :], k)
+        k.transpose(1, 2)[written] = k_new.transpose(1, 2)
+        v.transpose(1, 2)[written] = v_new.transpose(1, 2)
         return k, v, slots
 
     def append(self, index: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,9 +210,16 @@ class KVCache:
 
     # ---- reading ------------------------------------------------------------------------------
     @staticmethod
-    def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        rows, columns = slots.shape
-        return pool.index_select(0, slots.reshape(-1)).view(rows, columns, *pool.shape[1:]).transpose(1, 2)
+    def _at(slots: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (block, place) indices of `slots` in `pool.transpose(1, 2)`, `[blocks, block_size,
+        heads, dim]`: indexing that view with them reads or writes `[*slots.shape, heads, dim]`."""
+        size = pool.shape[2]
+        return slots // size, slots % size
+
+    @classmethod
+    def _gather(cls, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """`[rows, heads, columns, dim]` copies of the slots `[rows, columns]`."""
+        return pool.transpose(1, 2)[cls._at(slots, pool)].transpose(1, 2)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Copies of one layer's filled columns `[rows, kv_heads, length, head_dim]`; None for a
@@ -225,9 +233,8 @@ class KVCache:
     def row(self, row: int, columns: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Copies of one row's keys and values at logical `columns`, `[kv_heads, n, head_dim]` per
         layer (None for a layer the pool never stored)."""
-        slots = self.slots(self.length)[row].index_select(0, columns)
-        return [None if k is None or v is None else (k.index_select(0, slots).transpose(0, 1),
-                                                     v.index_select(0, slots).transpose(0, 1))
+        slots = self.slots(self.length)[row].index_select(0, columns).unsqueeze(0)
+        return [None if k is None or v is None else (self._gather(k, slots)[0], self._gather(v, slots)[0])
                 for k, v in zip(self.pool.keys, self.pool.values, strict=True)]
 
     # ---- rows and columns ---------------------------------------------------------------------
@@ -248,8 +255,9 @@ class KVCache:
             if kv is not None:
                 k_row, v_row = kv
                 k, v = self.pool.layer(i, k_row.shape[0], k_row.shape[2], k_row.dtype)
-                k.index_copy_(0, slots, k_row.transpose(0, 1))
-                v.index_copy_(0, slots, v_row.transpose(0, 1))
+                at = self._at(slots, k)
+                k.transpose(1, 2)[at] = k_row.transpose(0, 1)
+                v.transpose(1, 2)[at] = v_row.transpose(0, 1)
         self._slots = None
 
     def select(self, rows: list[int], new_length: int) -> KVCache:

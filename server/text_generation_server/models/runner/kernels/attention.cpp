@@ -125,7 +125,7 @@ void accumulate_queries(const float* weights, const T* vr, const int64_t* slots,
     for (int v = 0; v < S; ++v) sums[q][v] = simd::zero();
   }
   for (int64_t t = 0; t < s.total; ++t) {
-    const T* value = vr + column_index(slots, t) * s.v_column + offset;
+    const T* value = vr + s.v_offset(slots, t) + offset;
     simd::F w[Q];
     for (int q = 0; q < Q; ++q) w[q] = simd::set1(weights[q * s.total + t]);
     for (int v = 0; v < S; ++v) {
@@ -177,7 +177,7 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
   for (int64_t t = 0; t < total; t += 4) {
     const float* key[4];
     for (int64_t c = 0; c < 4; ++c)
-      key[c] = as_fp32(kr + column_index(slots, std::min(t + c, total - 1)) * s.k_column, dim,
+      key[c] = as_fp32(kr + s.k_offset(slots, std::min(t + c, total - 1)), dim,
                        column.data() + c * dim);
     for (int64_t j = 0; j < b.count; ++j) {
       float out[4];
@@ -215,7 +215,7 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
       for (int64_t u = whole; u < dim; ++u) {
         float sum = 0.0f;
         for (int64_t t = 0; t < total; ++t)
-          sum += scores[q * total + t] * as_float(vr[column_index(slots, t) * s.v_column + u]);
+          sum += scores[q * total + t] * as_float(vr[s.v_offset(slots, t) + u]);
         acc[q * dim + u] = sum;
       }
     }

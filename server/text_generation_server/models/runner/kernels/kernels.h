@@ -69,14 +69,24 @@ struct AttentionShape {
   int64_t q_row, q_token, q_head;
   int64_t k_row, k_head, k_column;
   int64_t v_row, v_head, v_column;
-  // Paged caches: column t of row r is key column slots[r * total + t] (k_row and v_row unused,
-  // 0). Null: column t is column t of the row.
+  // Paged caches ([blocks, kv_heads, block_size, dim]): column t of row r is slot
+  // slots[r * total + t], in block slot >> block_shift at place slot & (block_size - 1); k_block
+  // and v_block are the blocks' strides (k_row and v_row unused, 0). Null: column t of the row.
   const int64_t* slots = nullptr;
+  int64_t block_shift = 0, k_block = 0, v_block = 0;
 
   const int64_t* row_slots(int64_t row) const { return slots == nullptr ? nullptr : slots + row * total; }
+  // Where column t of a row (its row_slots) starts, from the row's keys or values of one kv head.
+  int64_t k_offset(const int64_t* row, int64_t t) const { return offset(row, t, k_block, k_column); }
+  int64_t v_offset(const int64_t* row, int64_t t) const { return offset(row, t, v_block, v_column); }
+
+ private:
+  int64_t offset(const int64_t* row, int64_t t, int64_t block, int64_t column) const {
+    if (row == nullptr) return t * column;
+    const int64_t slot = row[t];
+    return (slot >> block_shift) * block + (slot & ((int64_t{1} << block_shift) - 1)) * column;
+  }
 };
-// Column t's index in a row's keys/values: its slot in a paged cache, else t.
-inline int64_t column_index(const int64_t* row_slots, int64_t t) { return row_slots == nullptr ? t : row_slots[t]; }
 template <typename T>
 void attention(const T* q, const T* keys, const T* values, const T* mask, T* out, const AttentionShape& shape,
                float scale);
