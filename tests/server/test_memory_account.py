@@ -70,6 +70,7 @@ def test_the_account_of_a_loaded_model_with_a_live_batch_and_a_prefix_cache(lm: 
         assert live["embeddings"] == empty["embeddings"] and live["layers"] == empty["layers"]
         serving = memory.serving(lm.pools, lm.prefixes)
         assert serving["kv"] == live["kv"] and serving["prefix_cache"] == live["prefix_cache"]
+        assert serving["kv_used"] == group.cache.nbytes()  # the only batch holds every block in use
         assert serving["peak"] >= serving["resident"] > 0
     finally:
         lm.prefixes = None

@@ -148,6 +148,7 @@ def build_metrics(max_input_tokens: int, max_total_tokens: int) -> Metrics:
         batch_concat=_counter("tgi_batch_concat", "New batch admissions", ("reason",), registry=r),
         batch_concat_duration=duration("tgi_batch_concat_duration", "Concat", method),
         layer_skip=LayerSkipMetrics.build(r, COUNTER_NAMES),
-        shard_memory=Gauge("tgi_shard_memory_bytes", "Shard memory by part: weights by kind, drafts, kv, "
-                           "prefix_cache, resident, peak, other (extension)", ("part",), registry=r),
+        shard_memory=Gauge("tgi_shard_memory_bytes", "Shard memory by part: weights by kind, drafts, kv "
+                           "(the KV pools), kv_used (their blocks in use), prefix_cache, resident, peak, other "
+                           "(extension)", ("part",), registry=r),
     )

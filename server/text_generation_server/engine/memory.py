@@ -112,10 +112,10 @@ def loading_heap() -> Iterator[None]:
 
 
 def serving(pools: PoolSet, prefixes: PrefixCache | None) -> dict[str, int]:
-    """What changes while serving: the KV pools (their blocks in use and free), the prefix cache,
-    resident memory and its peak."""
-    return {"kv": pools.nbytes(), "prefix_cache": prefixes.nbytes if prefixes is not None else 0,
-            **process_memory()}
+    """What changes while serving: the KV pools (`kv`, their free blocks included; `kv_used`, the
+    blocks in use), the prefix cache, resident memory and its peak."""
+    return {"kv": pools.nbytes(), "kv_used": pools.used_bytes(),
+            "prefix_cache": prefixes.nbytes if prefixes is not None else 0, **process_memory()}
 
 
 def account(parts: dict[str, Any], pools: PoolSet, prefixes: PrefixCache | None) -> dict[str, int]:

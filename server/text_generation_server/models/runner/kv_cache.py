@@ -328,8 +328,10 @@ class PoolSet:
     def used_blocks(self) -> int:
         return sum(p.used_blocks for p in self.pools.values())
 
-    def free_blocks(self) -> int:
-        return sum(len(p.free) for p in self.pools.values())
-
     def nbytes(self) -> int:
+        """Bytes the pools hold, their free blocks included."""
         return sum(p.nbytes() for p in self.pools.values())
+
+    def used_bytes(self) -> int:
+        """Bytes of the blocks in use."""
+        return sum(p.used_blocks * p.block_bytes() for p in self.pools.values())
