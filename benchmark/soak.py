@@ -63,6 +63,8 @@ from router_launcher import Launcher, start_launcher
 
 from common import RESULTS, write_results
 
+MIB = 2**20
+
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MAX_CONCURRENT = 16
 HEALTH_EVERY_S = 0.5
@@ -538,7 +540,7 @@ def failed_checks(result: dict[str, Any]) -> list[str]:
     if result["health"]["failures"]:
         failed.append(f"{result['health']['failures']} /health failures")
     gauges = result["gauges_after"]
-    if gauges["tgi_queue_size"] or gauges["tgi_batch_current_size"]:
+    if gauges["tgi_queue_size"] or gauges["tgi_batch_current_size"] or gauges["kv_used_mib"]:
         failed.append(f"not idle: {gauges}")
     if not result["clients_finished"]:
         failed.append("the watchdog stopped requests still waiting")
@@ -608,7 +610,9 @@ def main() -> int:
         time.sleep(IDLE_SETTLE_S)  # the router gives freed memory back once idle (memory.py)
         rss["after_idle"] = {name: round(rss_mib(pid), 1) for name, pid in pids.items()}
         gauges = {"tgi_queue_size": queue, "tgi_batch_current_size": batch,
-                  "tgi_batch_current_max_tokens": metric(launcher.url, "tgi_batch_current_max_tokens")}
+                  "tgi_batch_current_max_tokens": metric(launcher.url, "tgi_batch_current_max_tokens"),
+                  **{f"{part}_mib": round(metric(launcher.url, f'tgi_shard_memory_bytes{{part="{part}"}}') / MIB, 1)
+                     for part in ("kv", "kv_used")}}
     finally:
         exit_code = launcher.stop()
     window_s = 60 if a.duration_s >= 300 else 10

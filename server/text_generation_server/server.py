@@ -275,6 +275,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         logger.debug("Step of batch {}: plan {} ns, forward {} ns, choose {} ns, stop {} ns", batch.batch_id,
                      timings.plan_ns, timings.forward_ns, timings.choose_ns, timings.stop_ns)
         self.cache.set(next_batch)
+        if next_batch is None:  # every request ended: their blocks go back before memory is reported
+            batch.release_kv()
         failed = [g for g in generations if g.error is not None]
         if failed and not per_request_errors:
             raise ValueError(f"request {failed[0].request_id}: {failed[0].error}")

@@ -238,6 +238,11 @@ class CausalLMBatch:
         self._keep([*request_ids, *(s.id for s in twins)], by_id)
         return self
 
+    def release_kv(self) -> None:
+        """Give the KV blocks of every group back to their pools (a batch that has ended)."""
+        for group in self.groups:
+            group.cache.release()
+
     def drop(self, request_ids: list[int]) -> None:
         """Remove requests the shard itself retired (settled audit twins)."""
         gone = set(request_ids)
