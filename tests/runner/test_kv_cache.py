@@ -72,3 +72,16 @@ def test_a_written_row_ends_where_asked_and_a_skipped_layer_holds_nothing() -> N
     rows = cache.row(1, torch.tensor([2, 3]))
     assert rows[1] is None and torch.equal(rows[0][0], k[0, :, 1:3])  # type: ignore[index]
     assert pools.used_blocks() == 2 and pools(frozenset()).used_blocks == 0
+
+
+def test_a_rows_padding_takes_no_blocks_and_is_never_written() -> None:
+    pool = BlockPool(LAYERS, block_size=4)
+    cache = KVCache(2, LAYERS, pool=pool)
+    cache.begin(1, 5)  # row 1's prompt is 5 columns shorter: left padding
+    k, v = columns(2, 7, 5)
+    append(cache, k, v)
+    assert [len(t) for t in cache.tables] == [2, 1] and pool.used_blocks == 3
+    keys, values = cache.layer(2)  # type: ignore[misc]
+    assert torch.equal(keys[0], k[0]) and torch.equal(keys[1, :, 5:], k[1, :, 5:])
+    assert not keys[1, :, :5].any() and not values[1, :, :5].any()  # padding reads the zero block
+    assert not pool.keys[2][0].any()  # type: ignore[index]  # the writes there were dropped

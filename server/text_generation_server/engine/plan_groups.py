@@ -67,6 +67,8 @@ class PlanGroup:
             if hit is not None:
                 attention_mask[row, past - hit.length:] = 1
                 cache.write_row(row, past, hit.layers)
+            else:  # its left padding takes no blocks
+                cache.begin(row, past + width - len(rest))
         return cls(skip, request_ids, cache, attention_mask, pending_ids, pending_mask)
 
     def row_kv(self, request_id: int) -> list[LayerKV]:

@@ -366,7 +366,8 @@ Tensor decode_attention(const Tensor& q, const Tensor& keys, const Tensor& value
 }
 
 // ---- one decoder layer -------------------------------------------------------------------------
-// pool's slot slots[r, first + t] = src[r, t], for src rows of `token_stride` values (kv head g at g * dim).
+// pool's slot slots[r, first + t] = src[r, t], for src rows of `token_stride` values (kv head g at g * dim);
+// padding (slot 0, the zero block) is not stored.
 template <typename T>
 void write_columns(const Tensor& pool, const Tensor& slots, int64_t first, const T* src, int64_t rows,
                    int64_t new_tokens, int64_t token_stride) {
@@ -376,6 +377,7 @@ void write_columns(const Tensor& pool, const Tensor& slots, int64_t first, const
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t t = 0; t < new_tokens; ++t) {
       const int64_t slot = ids[r * total + first + t];
+      if (slot == 0) continue;
       T* column = base + slot / block_size * pool.stride(0) + slot % block_size * pool.stride(2);
       for (int64_t g = 0; g < kv_heads; ++g)
         std::memcpy(column + g * pool.stride(1), src + (r * new_tokens + t) * token_stride + g * dim,

@@ -11,7 +11,8 @@ Addressing: a `KVCache` is a batch's view of the pool. Its rows share one logica
 `length`, with each row's tokens right-aligned (the batch code's attention mask says which
 columns are real, as with left padding); row r holds a block table and a `start`: its logical
 column `c >= start` lives in slot `table[(c - start) // bs] * bs + (c - start) % bs`, and the
-columns before `start` are padding that occupies no memory. So stacking batches (left padding
+columns before `start` are padding: slot 0, no memory, never written (a forward's writes there
+are dropped) and skipped by the kernels' attention. So stacking batches (left padding
 to the longest) and dropping rows move block ids, never keys and values, and a finished row's
 blocks go back to the pool at once. A forward writes its new columns into slots reserved for
 them (`reserve`) and reads the cache through `slots`, `[rows, columns]` slot ids: the CPU
@@ -184,17 +185,20 @@ class KVCache:
     @torch.inference_mode()
     def write(self, index: int, k_new: torch.Tensor,
               v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write `k_new`/`v_new` `[rows, kv_heads, n, head_dim]` after the filled columns; returns
-        the layer's key and value slots and the slot ids `[rows, length + n]` that read them.
+        """Write `k_new`/`v_new` `[rows, kv_heads, n, head_dim]` after the filled columns (but a
+        row's padding before its `start`, which is not stored); returns the layer's key and value
+        slots and the slot ids `[rows, length + n]` that read them.
 
         The caller advances `length` once per forward with `advance(n)`, after every layer has
         written."""
         _, heads, n, dim = k_new.shape
         slots = self.reserve(n)
         k, v = self.pool.layer(index, heads, dim, k_new.dtype)
-        written = self._at(slots[:, self.length :], k)
-        k.transpose(1, 2)[written] = k_new.transpose(1, 2)
-        v.transpose(1, 2)[written] = v_new.transpose(1, 2)
+        new_slots = slots[:, self.length :]
+        stored = new_slots != 0
+        written = self._at(new_slots[stored], k)
+        k.transpose(1, 2)[written] = k_new.transpose(1, 2)[stored]
+        v.transpose(1, 2)[written] = v_new.transpose(1, 2)[stored]
         return k, v, slots
 
     def append(self, index: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,6 +242,13 @@ class KVCache:
                 for k, v in zip(self.pool.keys, self.pool.values, strict=True)]
 
     # ---- rows and columns ---------------------------------------------------------------------
+    def begin(self, row: int, column: int) -> None:
+        """Row `row`'s tokens begin at logical column `column` (those before are its padding, not
+        stored); the row must hold nothing yet."""
+        assert not self.tables[row], "a row begins before it holds blocks"
+        self.starts[row] = column
+        self._slots = None
+
     @torch.inference_mode()
     def write_row(self, row: int, end: int, layers: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Put one row's keys and values (`[kv_heads, n, head_dim]` per layer, None where the layer
@@ -248,9 +259,7 @@ class KVCache:
             return
         self.starts[row] = end - n
         self.tables[row] = self.pool.allocate(math.ceil(n / self.block_size))
-        position = torch.arange(n)
-        slots = torch.tensor(self.tables[row])[position // self.block_size] * self.block_size \
-            + position % self.block_size
+        slots = self.slots(end)[row, end - n :]
         for i, kv in enumerate(layers):
             if kv is not None:
                 k_row, v_row = kv

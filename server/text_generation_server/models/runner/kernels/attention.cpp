@@ -20,6 +20,8 @@
 // verification computes what k one-token steps compute, bit for bit, in any batch (see
 // softmax_numerators and accumulate_queries). Masked entries hold the dtype's minimum,
 // never -inf, so a padding query (which sees no key) gets a uniform softmax instead of NaNs.
+// A paged cache is read in place: column t of a row is wherever its slot id says
+// (AttentionShape::slots), the same values in the same order, so the result is the same bits.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -117,17 +119,17 @@ void softmax_numerators(float* scores, const T* mask, int64_t total, float scale
 // a masked column adds exactly 0, so a query's output does not depend on how many masked columns
 // lie before, between or after its own: left padding, rejected drafts' columns, later queries.
 template <int S, int Q, typename T>
-void accumulate_queries(const float* weights, const T* vr, const int64_t* slots, const AttentionShape& s,
-                        int64_t offset, float* acc, float* sums_out) {
+void accumulate_queries(const float* weights, const T* vr, const int64_t* slots, int64_t columns,
+                        const AttentionShape& s, int64_t offset, float* acc, float* sums_out) {
   simd::F sums[Q][S], total[Q];
   for (int q = 0; q < Q; ++q) {
     total[q] = simd::zero();
     for (int v = 0; v < S; ++v) sums[q][v] = simd::zero();
   }
-  for (int64_t t = 0; t < s.total; ++t) {
+  for (int64_t t = 0; t < columns; ++t) {
     const T* value = vr + s.v_offset(slots, t) + offset;
     simd::F w[Q];
-    for (int q = 0; q < Q; ++q) w[q] = simd::set1(weights[q * s.total + t]);
+    for (int q = 0; q < Q; ++q) w[q] = simd::set1(weights[q * columns + t]);
     for (int v = 0; v < S; ++v) {
       const simd::F x = load(value + v * simd::kLanes);
       for (int q = 0; q < Q; ++q) sums[q][v] = simd::fmadd(w[q], x, sums[q][v]);
@@ -146,12 +148,12 @@ void accumulate_queries(const float* weights, const T* vr, const int64_t* slots,
 }
 
 template <int S, typename T>
-void accumulate(bool pair, const float* weights, const T* vr, const int64_t* slots, const AttentionShape& s,
-                int64_t offset, float* acc, float* sums) {
+void accumulate(bool pair, const float* weights, const T* vr, const int64_t* slots, int64_t columns,
+                const AttentionShape& s, int64_t offset, float* acc, float* sums) {
   if constexpr (kQueries == 2) {
-    if (pair) return accumulate_queries<S, 2>(weights, vr, slots, s, offset, acc, sums);
+    if (pair) return accumulate_queries<S, 2>(weights, vr, slots, columns, s, offset, acc, sums);
   }
-  accumulate_queries<S, 1>(weights, vr, slots, s, offset, acc, sums);
+  accumulate_queries<S, 1>(weights, vr, slots, columns, s, offset, acc, sums);
 }
 
 struct Block {
@@ -166,10 +168,16 @@ template <typename T>
 void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* out, const AttentionShape& s,
                   float scale, const Block& b, simd::Buffer<float>& scores, simd::Buffer<float>& queries,
                   simd::Buffer<float>& acc, simd::Buffer<float>& column) {
-  const int64_t group = s.heads / s.kv_heads, dim = s.dim, total = s.total;
   const T* kr = keys + b.row * s.k_row + b.kv_head * s.k_head;
   const T* vr = values + b.row * s.v_row + b.kv_head * s.v_head;
   const int64_t* slots = s.row_slots(b.row);
+  // A paged row's leading padding (slot 0, the zero block; masked for every query of the row) is
+  // not read: each column it skips would add exactly 0 to every sum, so the result is the same
+  // bits, and a short row beside a long one costs its own columns only.
+  int64_t skip = 0;
+  while (slots != nullptr && skip + 1 < s.total && slots[skip] == 0) ++skip;
+  if (slots != nullptr) slots += skip;
+  const int64_t group = s.heads / s.kv_heads, dim = s.dim, total = s.total - skip;
   for (int64_t j = 0; j < b.count; ++j) {
     const T* qr = q + b.row * s.q_row + b.token(j, group) * s.q_token + b.head(j, group) * s.q_head;
     for (int64_t i = 0; i < dim; ++i) queries[j * dim + i] = as_float(qr[i]);
@@ -186,7 +194,7 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
     }
   }
   for (int64_t j = 0; j < b.count; ++j) {
-    const T* mask_row = mask + (b.row * s.new_tokens + b.token(j, group)) * total;
+    const T* mask_row = mask + (b.row * s.new_tokens + b.token(j, group)) * s.total + skip;
     softmax_numerators(scores.data() + j * total, mask_row, total, scale);
   }
   float sums[kMaxBlock];
@@ -200,13 +208,13 @@ void attend_block(const T* q, const T* keys, const T* values, const T* mask, T* 
     float* sums_out = sums + j;  // taken with the first slab only
     int64_t i = 0;
     for (; i + 8 * simd::kLanes <= whole; i += 8 * simd::kLanes, sums_out = nullptr)
-      accumulate<8>(pair, weights, vr, slots, s, i, a, sums_out);
+      accumulate<8>(pair, weights, vr, slots, total, s, i, a, sums_out);
     for (; i + 4 * simd::kLanes <= whole; i += 4 * simd::kLanes, sums_out = nullptr)
-      accumulate<4>(pair, weights, vr, slots, s, i, a, sums_out);
+      accumulate<4>(pair, weights, vr, slots, total, s, i, a, sums_out);
     for (; i + 2 * simd::kLanes <= whole; i += 2 * simd::kLanes, sums_out = nullptr)
-      accumulate<2>(pair, weights, vr, slots, s, i, a, sums_out);
+      accumulate<2>(pair, weights, vr, slots, total, s, i, a, sums_out);
     for (; i < whole; i += simd::kLanes, sums_out = nullptr)
-      accumulate<1>(pair, weights, vr, slots, s, i, a, sums_out);
+      accumulate<1>(pair, weights, vr, slots, total, s, i, a, sums_out);
     for (int64_t q = j; q < std::min(j + kQueries, b.count); ++q) {
       if (whole == 0) {  // dim < kLanes: no slab took the sum
         sums[q] = 0.0f;
