@@ -345,7 +345,7 @@ class _Timer:
         runner, context = self.runner, max(context, self.context)
         cache = self._cache(rows)
         cache.crop(self.context)
-        if context > self.context:  # more columns up to `context` (blocks reserved, contents unread)
+        if context > self.context:  # more columns up to `context`: blocks reserved, holding whatever they held
             cache.reserve(context - self.context)
             cache.advance(context - self.context)
         start = time.perf_counter()

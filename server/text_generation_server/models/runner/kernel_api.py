@@ -53,7 +53,8 @@ class CpuOps(Protocol):
     def decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                          scale: float, slots: torch.Tensor | None = None) -> torch.Tensor:
         """q `[rows, new, heads, dim]` against keys/values `[rows, kv, total, dim]`, or with `slots`
-        `[rows, total]` against a paged cache's keys/values `[capacity, kv, dim]` -> `[rows, new, heads * dim]`."""
+        `[rows, total]` against a paged cache's keys/values `[blocks, kv, block_size, dim]`
+        -> `[rows, new, heads * dim]`."""
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, /) -> torch.Tensor:
         """rope.apply_rope of x `[rows, new, heads, dim]` (a view is fine), returned contiguous."""
