@@ -55,12 +55,8 @@ def test_padded_budget_total_includes_new_tokens_and_speculate() -> None:
     assert count_admissible([(20, 30), (20, 28), (20, 1)], budget) == 2
 
 
-def test_budget_max_size_and_blocks() -> None:
+def test_budget_max_size() -> None:
     assert count_admissible([(1, 1)] * 5, Budget(1000, 1000, max_size=2)) == 2
-    blocks = Budget(prefill_tokens=32, total_tokens=1000, max_size=None, requires_padding=False,
-                    block_size=16)
-    # 17 tokens round up to 2 blocks (32): the second prompt no longer fits.
-    assert count_admissible([(17, 1), (1, 1)], blocks) == 1
 
 
 def test_warmup_batch_splits_prefill_tokens() -> None:

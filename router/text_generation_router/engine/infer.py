@@ -148,7 +148,8 @@ class Infer:
         except ValidationError as err:
             raise ValidationFailed(str(err)) from err
         total_new = requested_new_tokens(p, lengths[1], self.limits.serving)
-        request = build_valid_request(inputs, p, lengths, grammar[:2], add_special_tokens, total_new)
+        request = build_valid_request(inputs, p, lengths, grammar[:2], add_special_tokens, total_new,
+                                      tuple(ids[len(ids) - lengths[1]:]))
         self.metrics.request_validation_duration.observe(time.monotonic() - started)
         self.metrics.request_input_length.observe(request.input_length)
         self.metrics.request_max_new_tokens.observe(request.max_new_tokens)
@@ -224,7 +225,8 @@ class Infer:
         max_new = min(remaining, DEFAULT_GENERATION_LENGTH, serving.max_total_tokens - input_length)
         if max_new <= 0 or len(ids) > serving.max_input_tokens:
             return None
-        return dataclasses.replace(chunk, inputs=inputs, input_length=input_length, max_new_tokens=max_new)
+        return dataclasses.replace(chunk, inputs=inputs, input_length=input_length, max_new_tokens=max_new,
+                                   input_ids=tuple(ids[len(ids) - input_length:]))
 
     async def _stream_chunk(self, request: ValidRequest, timing: Timing) -> AsyncGenerator[InferEvent, None]:
         """One shard request: its events until its last token."""

@@ -71,6 +71,7 @@ class ValidRequest:
     adapter_id: str | None = None
     layer_skip_mode: str = ""
     max_total_new_tokens: int = 0  # all chunks together (the request's max_new_tokens)
+    input_ids: tuple[int, ...] = ()  # the prompt's tokens as the router counts them (prefix matching)
 
 
 def validate_best_of(best_of: int, max_best_of: int) -> int:
@@ -231,6 +232,7 @@ def build_valid_request(
     grammar: tuple[str, int],
     add_special_tokens: bool,
     max_total_new_tokens: int | None = None,
+    input_ids: tuple[int, ...] = (),
 ) -> ValidRequest:
     truncate, input_length, max_new_tokens = lengths
     seed = p.seed if p.seed is not None else random.getrandbits(63)
@@ -260,4 +262,5 @@ def build_valid_request(
         adapter_id=p.adapter_id,
         layer_skip_mode=check_layer_skip(p.layer_skip),
         max_total_new_tokens=max_total_new_tokens if max_total_new_tokens is not None else max_new_tokens,
+        input_ids=input_ids,
     )
