@@ -22,7 +22,8 @@ shard's first requests take seconds); they are counted with the rest. A thread G
 Each kind counts: sent, as expected, unexpected (status and body kept for the first few), 5xx
 (or a stream's error event of a 5xx kind), refused with 429 (overloaded: not an error), cancelled
 by us, and lost (no status, or a stream that ended without its final event). Afterwards: the
-router must become idle (tgi_queue_size and tgi_batch_current_size 0), no concurrency slot may
+router must become idle (tgi_queue_size, tgi_batch_current_size, the router's
+tgi_kv_blocks{state="used"} and the shard's kv_used 0), no concurrency slot may
 leak (as many one-token requests as slots, no 429), and the router's own counters must balance
 (tgi_request_count = tgi_request_success + tgi_request_failure over labels, as deltas over the
 run); router and shard VmRSS at the start, after the warm-up, at the end and 12 s later (idle);
@@ -540,7 +541,8 @@ def failed_checks(result: dict[str, Any]) -> list[str]:
     if result["health"]["failures"]:
         failed.append(f"{result['health']['failures']} /health failures")
     gauges = result["gauges_after"]
-    if gauges["tgi_queue_size"] or gauges["tgi_batch_current_size"] or gauges["kv_used_mib"]:
+    if (gauges["tgi_queue_size"] or gauges["tgi_batch_current_size"] or gauges["kv_used_mib"]
+            or gauges["kv_blocks_used"]):
         failed.append(f"not idle: {gauges}")
     if not result["clients_finished"]:
         failed.append("the watchdog stopped requests still waiting")
@@ -611,6 +613,7 @@ def main() -> int:
         rss["after_idle"] = {name: round(rss_mib(pid), 1) for name, pid in pids.items()}
         gauges = {"tgi_queue_size": queue, "tgi_batch_current_size": batch,
                   "tgi_batch_current_max_tokens": metric(launcher.url, "tgi_batch_current_max_tokens"),
+                  "kv_blocks_used": metric(launcher.url, 'tgi_kv_blocks{state="used"}'),
                   **{f"{part}_mib": round(metric(launcher.url, f'tgi_shard_memory_bytes{{part="{part}"}}') / MIB, 1)
                      for part in ("kv", "kv_used")}}
     finally:

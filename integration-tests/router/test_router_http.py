@@ -224,6 +224,19 @@ def test_metrics_move_with_traffic(server: Launcher) -> None:
     assert memory["peak"] >= memory["resident"] > memory["layers"] + memory["embeddings"], memory
 
 
+def test_kv_blocks_are_counted_per_request_and_come_back(server: Launcher) -> None:
+    """The router counts the paged shard's KV blocks (upstream v3's allocator): a request holds
+    them while it runs; a prefilled prompt's full blocks stay cached for the next one."""
+    long_prompt = "Count the apples, pears and plums in each basket, then add them up. " * 12
+    for _ in range(2):
+        httpx.post(f"{server.url}/generate", json={"inputs": long_prompt, "parameters": {"max_new_tokens": 2}},
+                   timeout=60).raise_for_status()
+    text = httpx.get(f"{server.url}/metrics").text
+    blocks = {state: metric(text, f'tgi_kv_blocks{{state="{state}"}}') for state in ("used", "cached", "free")}
+    assert blocks["used"] == 0 and blocks["cached"] >= 2, blocks
+    assert sum(blocks.values()) == 16000 // 64, blocks  # max-batch-total-tokens in blocks (block 0 apart)
+
+
 def test_info_routes_tokenize_and_completions(server: Launcher) -> None:
     info = httpx.get(f"{server.url}/info").json()
     assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -20,7 +20,9 @@ def test_handshake_and_greedy_chat_answer(shard: Stub) -> None:
     assert len(discovery.urls) == 1 and discovery.urls[0].startswith("unix://")
     shard.ClearCache(generate_pb2.ClearCacheRequest())
     info = shard.Info(generate_pb2.InfoRequest())
-    assert info.requires_padding and not info.support_chunking and not info.use_prefix_caching
+    # upstream v3's paged protocol: chunks (Prefill with cached_batch); PREFIX_CACHING=0 here
+    assert not info.requires_padding and info.support_chunking and not info.use_prefix_caching
+    assert (info.attention_impl, info.block_size) == ("paged", 16)
     assert info.dtype == "torch.float32" and info.device_type == "cpu"
     assert info.block_size >= 1 and info.speculate == 0 and not info.HasField("window_size")
     ops = cpu_kernels.load(kind="float32")  # the shard reads the same measured choice (kernel_choice.py)

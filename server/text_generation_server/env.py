@@ -6,10 +6,12 @@ download-weights, build-kernels, layerskip): `process_env()` reads it on first u
 comes before any model loads, and keeps it for the process.
 
 Upstream's launcher always sets ATTENTION and PREFIX_CACHING; this backend accepts them and
-defaults them when started by hand. ATTENTION only shapes the Info answer (no paged attention
-here); PREFIX_CACHING=0 turns off the shard's own prefix cache (engine/prefix_cache.py), whose
-size PREFIX_CACHE_MIB sets. PREFILL_CHUNK_TOKENS: the prompt tokens one step may prefill (a
-longer prefill runs in chunks between the running requests' steps; 0: at once).
+defaults them when started by hand. ATTENTION only sets the Info answer's block_size, the unit
+in which a router counts KV blocks (the shard's own pools use blocks of 64 tokens, as upstream's
+`flashdecoding-ipex`, the default); PREFIX_CACHING=0 turns off the shard's own prefix cache
+(engine/prefix_cache.py; Info.use_prefix_caching), whose size PREFIX_CACHE_MIB sets.
+PREFILL_CHUNK_TOKENS: the prompt tokens one step may prefill (a longer prefill runs in chunks
+between the running requests' steps; 0: at once, and Info.support_chunking is false).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class ShardEnv:
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ) -> ShardEnv:
-        attention = environ.get("ATTENTION", "paged")
+        attention = environ.get("ATTENTION", "flashdecoding-ipex")
         if attention not in BLOCK_SIZES:
             raise ValueError(f"ATTENTION={attention!r} is not one of {', '.join(BLOCK_SIZES)}")
         prefix = environ.get("PREFIX_CACHING", "1").lower() in ("1", "true")

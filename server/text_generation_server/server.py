@@ -127,10 +127,12 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
     async def Info(self, request: generate_pb2.InfoRequest,
                    context: grpc.aio.ServicerContext) -> generate_pb2.InfoResponse:
         planner = self.model.planner
+        # paged KV, prompts in chunks (Prefill with cached_batch) and prefix reuse, as upstream's v3
+        # flash shards: the router's blocks are its accounting, the shard's pools hold the KV
         return generate_pb2.InfoResponse(
-            requires_padding=True, dtype=self.config.dtype, device_type=self.model.runner.device.type,
+            requires_padding=False, dtype=self.config.dtype, device_type=self.model.runner.device.type,
             speculate=self.model.speculate,  # the most draft tokens a step verifies (upstream's meaning)
-            support_chunking=False, use_prefix_caching=False,
+            support_chunking=self.model.prefill_chunk > 0, use_prefix_caching=self.model.prefixes is not None,
             attention_impl=self.env.attention, block_size=self.env.block_size,
             runner=self.model.runner.name, quantize=self.config.quantize,
             layer_skip_mode=planner.mode, layer_skip_policy=planner.config.policy_path or "",
@@ -167,7 +169,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             self.cache.set(batch)  # a bad filter request leaves the batch as it was
             raise
         self.cache.set(filtered)
-        return generate_pb2.FilterBatchResponse(batch=filtered.to_pb())
+        return generate_pb2.FilterBatchResponse(batch=filtered.to_pb(self.model.prefill_chunk))
 
     async def Warmup(self, request: generate_pb2.WarmupRequest,
                      context: grpc.aio.ServicerContext) -> generate_pb2.WarmupResponse:
@@ -234,17 +236,36 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         await asyncio.gather(*(prepare(r) for r in batch.requests if r.parameters.grammar))
 
     def _prefill(self, request: generate_pb2.PrefillRequest, start_ns: int) -> generate_pb2.PrefillResponse:
-        if not request.per_request_errors:
-            return self._step(self._from_pb(request.batch), generate_pb2.PrefillResponse, start_ns)
-        batch, refused = CausalLMBatch.from_pb_isolated(
-            request.batch, self.model.tokenizer, self.model.runner.num_layers, self.model.eos_token_ids,
-            self.max_input_tokens, self.choice)
-        for request_id, message in refused:
-            logger.warning(f"Request {request_id} refused: {message}")
+        """A new batch's first step; with `cached_batch` (a router of the chunking protocol), in
+        one step with that running batch, which the new requests join under its id."""
+        isolated = request.per_request_errors
+        refused: list[tuple[int, str]] = []
+        if isolated:
+            batch, refused = CausalLMBatch.from_pb_isolated(
+                request.batch, self.model.tokenizer, self.model.runner.num_layers, self.model.eos_token_ids,
+                self.max_input_tokens, self.choice)
+            for request_id, message in refused:
+                logger.warning(f"Request {request_id} refused: {message}")
+        else:
+            batch = self._from_pb(request.batch)
+        concat_ns = None
+        if request.HasField("cached_batch") and self.model.prefill_chunk > 0:
+            running = self.cache.pop_all([request.cached_batch.id])[0]  # after the new batch is read
+            if batch is not None:
+                concat_start = time.perf_counter_ns()
+                try:
+                    self.model.plan(batch)
+                except Exception:
+                    self.cache.set(running)  # the running batch is not lost with the new one
+                    raise
+                batch = CausalLMBatch.concatenate([running, batch])
+                concat_ns = time.perf_counter_ns() - concat_start
+            else:
+                batch = running
         if batch is None:
             out = generate_pb2.PrefillResponse(total_ns=time.perf_counter_ns() - start_ns)
         else:
-            out = self._step(batch, generate_pb2.PrefillResponse, start_ns, per_request_errors=True)
+            out = self._step(batch, generate_pb2.PrefillResponse, start_ns, concat_ns, isolated)
         out.request_errors.extend(generate_pb2.RequestError(request_id=i, message=m) for i, m in refused)
         return out
 
@@ -285,7 +306,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
                        request_errors=[generate_pb2.RequestError(request_id=g.request_id, message=g.error or "")
                                        for g in failed])
         if next_batch is not None:
-            out.batch.CopyFrom(next_batch.to_pb())
+            out.batch.CopyFrom(next_batch.to_pb(self.model.prefill_chunk))
         if concat_ns is not None:
             out.concat_ns = concat_ns
         out.memory_bytes.update(memory.serving(self.model.pools, self.model.prefixes))

@@ -33,7 +33,7 @@ def test_kernel_and_policy_variables_and_their_defaults() -> None:
 
 
 def test_shard_env_defaults_and_refusals() -> None:
-    assert ShardEnv.read({}) == ShardEnv("paged", True, 0, 1, WatermarkConfig(), 256, 512)
+    assert ShardEnv.read({}) == ShardEnv("flashdecoding-ipex", True, 0, 1, WatermarkConfig(), 256, 512)
     off = ShardEnv.read({"PREFIX_CACHING": "0", "PREFIX_CACHE_MIB": "64", "PREFILL_CHUNK_TOKENS": "0"})
     assert (off.prefix_caching, off.prefix_cache_mib, off.prefill_chunk) == (False, 64, 0)
     with pytest.raises(ValueError, match="^PREFILL_CHUNK_TOKENS=-1 is negative$"):

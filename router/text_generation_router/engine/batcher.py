@@ -4,8 +4,12 @@ Design note: one batch is cached in the shard at a time. While it runs, the loop
 prefill a new batch from the queue (when the queue holds at least
 `floor(size * waiting_served_ratio)` requests or after `max_waiting_tokens` decode steps
 without an admission) and then decodes [running, new] together, which the shard merges under
-the running batch's id. After every step finished and abandoned requests are removed with
-FilterBatch, or ClearCache when none is left.
+the running batch's id. A shard that supports chunking (upstream v3's protocol) gets the new
+batch in a Prefill together with the running one (`cached_batch`, one step for both, whose
+answer is the running batch from then on) whenever the prefill budget left by the running
+batch's next step admits any, then the Decode. After every step finished and abandoned
+requests are removed with FilterBatch, or ClearCache when none is left; a paged shard's
+requests hold KV blocks (`BlockAllocator`) from admission until they end.
 
 Failure containment: a problem of one request ends that request alone. An entry that
 cannot be encoded, or that the shard refuses (the `request_errors` extension), gets its own
@@ -25,6 +29,7 @@ from typing import Any, TypeVar
 from loguru import logger
 
 from text_generation_router.config import ServingLimits
+from text_generation_router.engine.block_allocator import BlockAllocator
 from text_generation_router.engine.client import ShardClient, ShardError, StepResult
 from text_generation_router.engine.dispatch import (
     CachedBatch,
@@ -35,7 +40,7 @@ from text_generation_router.engine.dispatch import (
 )
 from text_generation_router.engine.handshake import ShardInfo
 from text_generation_router.engine.metrics import Metrics
-from text_generation_router.engine.queue import Budget, Entry, Queue
+from text_generation_router.engine.queue import Budget, Entry, Queue, release_blocks
 
 T = TypeVar("T")
 BATCH_FAILED = "the model server failed the batch this request was in (its log says why)"
@@ -72,17 +77,38 @@ class Batcher:
         self._next_batch_id = first_batch_id
         # Every entry taken from the queue for the batch being served, until it ends.
         self.in_flight: list[Entry] = []
+        # a paged shard's KV blocks, counted here as upstream v3's router counts them
+        # (block 0 is never handed out: one more, so that max_batch_total_tokens fit)
+        self.blocks = None if shard.requires_padding else BlockAllocator(
+            math.ceil(limits.max_batch_total_tokens / shard.block_size) + 1, shard.block_size,
+            shard.use_prefix_caching)
+        self._observe_blocks()
 
-    def _budget(self, total_tokens: int, running_size: int) -> Budget:
+    def _budget(self, total_tokens: int, running_size: int, running_tokens: int = 0) -> Budget:
         max_size = None if self.max_batch_size is None else self.max_batch_size - running_size
         return Budget(
-            prefill_tokens=self.limits.max_batch_prefill_tokens,
+            prefill_tokens=self.limits.max_batch_prefill_tokens - running_tokens,
             total_tokens=total_tokens,
             max_size=max_size,
-            requires_padding=self.shard.requires_padding,
             block_size=self.shard.block_size,
             speculate=self.shard.speculate,
+            chunking=self.shard.support_chunking,
         )
+
+    def _observe_blocks(self) -> None:
+        if self.blocks is not None:
+            b = self.blocks
+            for state, n in (("used", b.used), ("cached", b.cached), ("free", len(b.free))):
+                self.metrics.kv_blocks.labels(state=state).set(n)
+
+    def _prune(self) -> None:
+        """Forget the entries that ended (a dropped one ends at its next generation); their KV
+        blocks go back."""
+        for entry in self.in_flight:
+            if entry.done:
+                release_blocks(entry, self.blocks)
+        self.in_flight = [e for e in self.in_flight if not e.done]
+        self._observe_blocks()
 
     async def run(self) -> None:
         """Serve the queue forever."""
@@ -90,7 +116,7 @@ class Batcher:
             await self.queue.notify.wait()
             self.queue.notify.clear()
             budget = self._budget(self.limits.max_batch_total_tokens, 0)
-            while (entries := self.queue.next_batch(None, budget)) is not None:
+            while (entries := self.queue.next_batch(None, budget, self.blocks)) is not None:
                 await self._serve(entries)
                 budget = self._budget(self.limits.max_batch_total_tokens, 0)
             self.metrics.queue_size.set(len(self.queue))
@@ -122,7 +148,7 @@ class Batcher:
         finally:
             for entry in self.in_flight:
                 entry.fail("incomplete", "the request ended without its last token")
-            self.in_flight = []
+            self._prune()
             self.metrics.batch_current_size.set(0)
             self.metrics.batch_current_max_tokens.set(0)
 
@@ -133,15 +159,20 @@ class Batcher:
         while cached is not None:
             self.metrics.batch_current_size.set(cached.size)
             self.metrics.batch_current_max_tokens.set(cached.max_tokens)
-            batches = [cached]
-            new_cached, reason = await self._admit(cached, entries, waiting_steps)
-            if new_cached is not None:
-                batches.append(new_cached)
-                self.metrics.batch_concat.labels(reason=reason).inc()
-                waiting_steps = 1
+            if self.shard.support_chunking:
+                cached = await self._admit_chunking(cached, entries)
+                if cached is None:
+                    break
+                batches = [cached]
+            else:
+                batches = [cached]
+                new_cached, reason = await self._admit(cached, entries, waiting_steps)
+                if new_cached is not None:
+                    batches.append(new_cached)
+                    self.metrics.batch_concat.labels(reason=reason).inc()
+                    waiting_steps = 1
             cached = await self._decode(entries, batches)
             waiting_steps += 1
-            self.in_flight = [e for e in self.in_flight if not e.done]  # a batch may run for hours
 
     async def _admit(
         self, cached: CachedBatch, entries: dict[int, Entry], waiting_steps: int
@@ -152,7 +183,7 @@ class Batcher:
         wait_exceeded = waiting_steps >= self.max_waiting_tokens
         min_size = None if wait_exceeded else math.floor(cached.size * self.waiting_served_ratio)
         total = self.limits.max_batch_total_tokens - cached.max_tokens
-        new = self.queue.next_batch(min_size, self._budget(total, cached.size))
+        new = self.queue.next_batch(min_size, self._budget(total, cached.size), self.blocks)
         self.metrics.queue_size.set(len(self.queue))
         if new is None:
             return None, ""
@@ -162,15 +193,38 @@ class Batcher:
         entries.update(new_entries)
         return new_cached, "wait_exceeded" if wait_exceeded else "backpressure"
 
-    async def _prefill(self, entries: dict[int, Entry]) -> CachedBatch | None:
-        """Prefill the entries that can be encoded; the others have failed alone already."""
-        requests = encode_requests(entries)
+    async def _admit_chunking(self, cached: CachedBatch, entries: dict[int, Entry]) -> CachedBatch | None:
+        """A chunking shard: new requests join the running batch in one Prefill with it, within
+        the prefill budget its next step leaves (no waiting_served_ratio, as upstream); returns
+        the running batch."""
+        if len(self.queue) == 0:
+            return cached
+        total = self.limits.max_batch_total_tokens - cached.max_tokens
+        new = self.queue.next_batch(None, self._budget(total, cached.size, cached.current_tokens), self.blocks)
+        self.metrics.queue_size.set(len(self.queue))
+        if new is None:
+            return cached
+        self.in_flight.extend(new)
+        entries.update((e.id, e) for e in new)
+        self.metrics.batch_concat.labels(reason="chunking").inc()
+        return await self._prefill(entries, new, cached)
+
+    async def _prefill(self, entries: dict[int, Entry], new: list[Entry] | None = None,
+                       running: CachedBatch | None = None) -> CachedBatch | None:
+        """Prefill the `new` entries (all `entries` by default) that can be encoded, the others
+        having failed alone already; with `running`, in one step with that cached batch."""
+        fresh = {e.id: e for e in new} if new is not None else entries
+        requests = encode_requests(fresh)
+        for entry in new or []:
+            if entry.id not in fresh:  # failed alone
+                entries.pop(entry.id, None)
         if not requests:
-            return None
-        batch = to_pb_batch(self._next_batch_id, list(entries.values()), requests)
+            return running
+        batch = to_pb_batch(self._next_batch_id, list(fresh.values()), requests)
         self._next_batch_id += 1
         self.metrics.batch_next_size.observe(len(requests))
-        return await self._step("prefill", entries, [batch.id], self.client.prefill(batch))
+        ids = [batch.id] if running is None else [running.id, batch.id]
+        return await self._step("prefill", entries, ids, self.client.prefill(batch, cached_batch=running))
 
     async def _decode(self, entries: dict[int, Entry], batches: list[CachedBatch]) -> CachedBatch | None:
         return await self._step("decode", entries, [b.id for b in batches], self.client.decode(batches))
@@ -193,6 +247,7 @@ class Batcher:
         self._observe(method, result, time.monotonic() - started)
         dispatch_request_errors(result.request_errors, entries)
         dispatch_generations(result.generations, entries, self.metrics)
+        self._prune()  # before any answer is sent: a batch may run for hours
         self._fail_orphans(result.batch, entries)
         return await self._follow_up(method, result.batch, entries)
 

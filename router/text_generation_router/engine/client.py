@@ -125,9 +125,11 @@ class ShardClient:
                 self._prepares_grammars = False
         return None
 
-    async def prefill(self, batch: pb.Batch, per_request_errors: bool = True) -> StepResult:
-        """Prefill a batch; by default a request the shard refuses fails alone (extension)."""
-        request = pb.PrefillRequest(batch=batch, per_request_errors=per_request_errors)
+    async def prefill(self, batch: pb.Batch, per_request_errors: bool = True,
+                      cached_batch: pb.CachedBatch | None = None) -> StepResult:
+        """Prefill a batch (with `cached_batch`, a chunking shard's running batch, in one step with
+        it); by default a request the shard refuses fails alone (extension)."""
+        request = pb.PrefillRequest(batch=batch, per_request_errors=per_request_errors, cached_batch=cached_batch)
         return _merge(await self._call_all(lambda s: s.Prefill(request), idempotent=False))
 
     async def decode(self, batches: list[pb.CachedBatch]) -> StepResult:

@@ -67,6 +67,12 @@ def to_pb_request(entry: Entry) -> pb.Request:
     )
     if r.adapter_id is not None:
         request.adapter_id = r.adapter_id
+    if entry.allocation is not None:  # a paged shard: its blocks, and the prompt tokens cached in them
+        request.blocks.extend(entry.allocation.blocks)
+        request.slots.extend(entry.allocation.slots)
+        request.cache_len = entry.allocation.prefix_len
+    if entry.chunk_len is not None:
+        request.chunk_len = entry.chunk_len
     return request
 
 
@@ -85,16 +91,19 @@ def encode_requests(entries: dict[int, Entry]) -> list[pb.Request]:
 
 
 def to_pb_batch(batch_id: int, entries: list[Entry], requests: list[pb.Request]) -> pb.Batch:
-    """Padded batch: no blocks or slots; max_tokens is the padded estimate."""
-    max_input = max(e.request.input_length for e in entries)
-    max_tokens = len(entries) * max_input + sum(e.request.max_new_tokens for e in entries)
-    return pb.Batch(
-        id=batch_id,
-        requests=requests,
-        size=len(entries),
-        max_tokens=max_tokens,
-        max_blocks=0,
-    )
+    """A padded batch (no blocks: max_tokens is the padded estimate) or a paged one (max_tokens:
+    the prompt tokens to run, as upstream counts them; max_blocks: the most a request holds)."""
+    allocations = [e.allocation for e in entries if e.allocation is not None]
+    if allocations:
+        max_tokens = sum(e.request.input_length - e.allocation.prefix_len for e in entries
+                         if e.allocation is not None and e.chunk_len is None)
+        max_blocks = max(len(a.blocks) for a in allocations)
+    else:
+        max_input = max(e.request.input_length for e in entries)
+        max_tokens = len(entries) * max_input + sum(e.request.max_new_tokens for e in entries)
+        max_blocks = 0
+    return pb.Batch(id=batch_id, requests=requests, size=len(entries), max_tokens=max_tokens,
+                    max_blocks=max_blocks)
 
 
 def build_warmup_batch(
@@ -212,6 +221,7 @@ def dispatch_generations(
         entry = entries.get(g.request_id)
         if entry is None:
             continue
+        entry.prefilled = True  # its prompt's keys and values are in the shard now
         if entry.dropped or entry.done:  # client gone (counted by Infer), or already failed
             entry.done = True
             del entries[g.request_id]

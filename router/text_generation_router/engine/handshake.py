@@ -24,6 +24,7 @@ class ShardInfo:
     runner: str
     layer_skip_mode: str
     layer_skip_policy_state: str = "none"
+    use_prefix_caching: bool = False
     memory: dict[str, int] = field(default_factory=dict)  # bytes by part after warm-up (extension)
 
 
@@ -80,7 +81,8 @@ async def handshake(config: RouterConfig) -> tuple[ShardClient, ShardInfo, Servi
         requires_padding=info.requires_padding, dtype=info.dtype, device_type=info.device_type,
         speculate=info.speculate, support_chunking=info.support_chunking,
         block_size=info.block_size, runner=info.runner, layer_skip_mode=info.layer_skip_mode,
-        layer_skip_policy_state=info.layer_skip_policy_state, memory=memory_bytes(answers),
+        layer_skip_policy_state=info.layer_skip_policy_state, use_prefix_caching=info.use_prefix_caching,
+        memory=memory_bytes(answers),
     )
     logger.info("Warmup done: {}", limits)
     return client, shard, limits

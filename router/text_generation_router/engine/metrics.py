@@ -65,6 +65,7 @@ class Metrics:
     batch_current_size: Gauge
     batch_current_max_tokens: Gauge
     batch_max_total_tokens: Gauge
+    kv_blocks: Gauge
     batch_next_size: Histogram
     batch_inference_count: Gauge
     batch_inference_success: Gauge
@@ -131,6 +132,8 @@ def build_metrics(max_input_tokens: int, max_total_tokens: int) -> Metrics:
         batch_max_total_tokens=Gauge(
             "tgi_batch_max_total_tokens", "Token budget of all batches", registry=r
         ),
+        kv_blocks=Gauge("tgi_kv_blocks", "A paged shard's KV blocks as the router counts them: used by "
+                        "requests, cached (prompt prefixes no request holds), free", ["state"], registry=r),
         batch_next_size=Histogram(
             "tgi_batch_next_size", "New batch size", registry=r, buckets=BATCH_SIZE_BUCKETS
         ),

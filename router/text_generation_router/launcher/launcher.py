@@ -115,7 +115,7 @@ def child_env(args: LauncherArgs) -> dict[str, str]:
     """Launcher env minus LOG_LEVEL, plus what upstream gives every shard (docs/tgi-interface.md §3.2)."""
     env = {k: v for k, v in args.env.environ.items() if k != "LOG_LEVEL"}
     a = args.ns
-    env.setdefault("ATTENTION", "paged")
+    env.setdefault("ATTENTION", "flashdecoding-ipex")  # the block size of the shard's KV pools (64)
     env.setdefault("PREFIX_CACHING", "1")
     env.update({
         "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": a.master_addr,

@@ -41,6 +41,7 @@ class RequestState:
     spec: SpecState | None = None  # verified mode: acceptance and draft length
     audit_of: int | None = None  # an `off` twin of this lossy request id (never reported)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    chunk_len: int | None = None  # the router's bound on its prompt's first chunk (Request.chunk_len)
     prefix_offset: int = 0
     read_offset: int = 0
     finished: bool = False
@@ -123,7 +124,7 @@ def _request_state(r: generate_pb2.Request, tokenizer: PreTrainedTokenizerBase, 
         stopping=StoppingCriteria(stop.max_new_tokens, eos_token_ids, tuple(stop.stop_sequences),
                                   stop.ignore_eos_token),
         top_n_tokens=r.top_n_tokens, prefill_logprobs=r.prefill_logprobs,
-        layer_skip_mode=r.layer_skip_mode,
+        layer_skip_mode=r.layer_skip_mode, chunk_len=r.chunk_len if r.HasField("chunk_len") else None,
         prefix_offset=max(len(ids) - 5, 0), read_offset=len(ids),
     )
 
@@ -217,10 +218,15 @@ class CausalLMBatch:
         """Tokens of the prompts left-padded to the longest, as one group (warmup's measure)."""
         return len(self.requests) * max(s.input_length for s in self.requests)
 
-    def to_pb(self) -> generate_pb2.CachedBatch:
+    def to_pb(self, prefill_chunk: int = 0) -> generate_pb2.CachedBatch:
+        """The batch as the router sees it; current_tokens: the tokens its next step runs (a
+        decoding row's one, a prefilling group's next chunk of at most `prefill_chunk`)."""
         ids = [s.id for s in self.requests if s.audit_of is None]  # audit twins stay internal
+        prefilling = [int(g.pending_mask.sum()) for g in self.groups if g.fresh]
+        decoding = sum(g.num_rows for g in self.groups if not g.fresh)
+        current = decoding + sum(min(n, prefill_chunk) if prefill_chunk else n for n in prefilling)
         return generate_pb2.CachedBatch(id=self.batch_id, request_ids=ids, size=len(ids),
-                                        max_tokens=self.max_tokens, current_tokens=len(ids))
+                                        max_tokens=self.max_tokens, current_tokens=current)
 
     def filter(self, request_ids: list[int]) -> CausalLMBatch:
         """Keep exactly `request_ids`, in that order; groups left empty are dropped."""

@@ -259,6 +259,8 @@ class CausalLM:
             width = self.chunk_width(group, states, audited)
             if width:
                 if not defer_chunks:
+                    for state in states:
+                        state.chunk_len = None  # it bounded the first chunk only
                     scored = any(s.prefill_logprobs for s in states)
                     out.append(ChunkStep(self.runner, group, width, self.planner.biases, scored))
                 continue
@@ -273,15 +275,18 @@ class CausalLM:
 
     def chunk_width(self, group: PlanGroup, states: list[RequestState], audited: set[int]) -> int:
         """The pending columns a prefilling group runs this step when its prompts are longer than
-        `prefill_chunk` tokens (0: it runs them all and chooses its first tokens). Chunks keep
-        the running requests' steps going while a long prompt is prefilled (prompt logprobs are
-        scored chunk by chunk). Audit twins and the requests they audit keep their groups whole
-        (compared token for token, step by step)."""
+        `prefill_chunk` tokens or a router's chunk_len (a first chunk's bound); 0: it runs them
+        all and chooses its first tokens. Chunks keep the running requests' steps going while a
+        long prompt is prefilled (prompt logprobs are scored chunk by chunk). Audit twins and
+        the requests they audit keep their groups whole (compared token for token, step by step)."""
         if not group.fresh or not self.prefill_chunk:
             return 0
         if any(s.audit_of is not None or s.id in audited for s in states):
             return 0
         width = max(self.prefill_chunk // group.num_rows, 1)
+        bounds = [s.chunk_len for s in states if s.chunk_len]  # the router's, on a first chunk
+        if bounds:
+            width = min(width, *bounds)
         return width if group.pending_ids.shape[1] > width else 0
 
     def adapt_drafting(self, batch: CausalLMBatch, steps: dict[int, RowStep]) -> None:
