@@ -252,12 +252,12 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         if request.HasField("cached_batch") and self.model.prefill_chunk > 0:
             running = self.cache.pop_all([request.cached_batch.id])[0]  # after the new batch is read
             if batch is not None:
-                concat_start = time.perf_counter_ns()
                 try:
                     self.model.plan(batch)
                 except Exception:
                     self.cache.set(running)  # the running batch is not lost with the new one
                     raise
+                concat_start = time.perf_counter_ns()
                 batch = CausalLMBatch.concatenate([running, batch])
                 concat_ns = time.perf_counter_ns() - concat_start
             else:
