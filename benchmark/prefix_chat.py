@@ -1,30 +1,35 @@
 """Time to first token of a multi-turn chat and of requests sharing a document, with the shard's
 prefix cache on and off, beside llama-server on the same GGUF.
 
-Method: each server in turn (ours with PREFIX_CACHING=1, ours with PREFIX_CACHING=0, and with
-`--llama-server PATH` llama.cpp's `llama-server` on the model's own GGUF file, 8 slots), one
-at a time on the loopback, OMP_NUM_THREADS=2 / `-t 2`:
+Method: the servers run side by side on the loopback (ours with PREFIX_CACHING=1, ours with
+PREFIX_CACHING=0, and with `--llama-server PATH` llama.cpp's `llama-server` on the model's own
+GGUF file, 8 slots), OMP_NUM_THREADS=2 / `-t 2`, one request at a time:
 - chat: a six-turn conversation through streamed `/v1/chat/completions` (greedy, 48 new tokens
   a turn) after a system prompt of about 1,000 tokens; each turn sends the whole history, as
-  chat clients do. Time to first token = until the first chunk with content.
-- rag: 8 requests, each a ~1,500-token document and its own question, sent at once. Total
-  prefill time = until the last of them has its first token (first token of each, too).
+  chat clients do. The servers take turns: turn k goes to each server before turn k + 1 goes to
+  any. `--rounds` conversations, each with a system prompt of its own; per turn, the median
+  over rounds. Time to first token = until the first chunk with content.
+- rag: 8 requests, each a ~1,500-token document and its own question, sent at once, to one
+  server after the other. Total prefill time = until the last of them has its first token
+  (first token of each, too).
 Each server continues its own conversation (its answers differ); the prompts are the same.
 
 Usage: python benchmark/prefix_chat.py [--model ID] [--config bfloat16/verified]
-       [--llama-server PATH] [--out prefix_chat]
+       [--llama-server PATH] [--rounds 2] [--out prefix_chat]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,17 +100,20 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict[s
             "times": times}
 
 
-async def chat(url: str) -> list[dict[str, Any]]:
-    messages = [{"role": "system", "content": "You are the on-call assistant. The operations manual follows.\n"
-                 + manual(10, 0)}]
-    turns = []
+async def chats(urls: dict[str, str], seed: int) -> dict[str, list[dict[str, Any]]]:
+    """One conversation per server, turn by turn across the servers."""
+    system = {"role": "system", "content": "You are the on-call assistant. The operations manual follows.\n"
+              + manual(10, seed)}
+    messages: dict[str, list[dict[str, str]]] = {name: [system] for name in urls}
+    turns: dict[str, list[dict[str, Any]]] = {name: [] for name in urls}
     async with httpx.AsyncClient() as client:
-        for question in TURNS:
-            messages.append({"role": "user", "content": question})
-            turn = await stream_chat(client, url, messages)
-            messages.append({"role": "assistant", "content": turn["answer"]})
-            turns.append(turn)
-            print(f"    turn {len(turns)}: ttft {turn['ttft_s']:.2f} s, usage {turn['usage']}", flush=True)
+        for k, question in enumerate(TURNS, start=1):
+            for name, url in urls.items():
+                messages[name].append({"role": "user", "content": question})
+                turn = await stream_chat(client, url, messages[name])
+                messages[name].append({"role": "assistant", "content": turn["answer"]})
+                turns[name].append(turn)
+                print(f"    turn {k} {name}: ttft {turn['ttft_s']:.2f} s, usage {turn['usage']}", flush=True)
     return turns
 
 
@@ -123,50 +131,47 @@ async def rag(url: str) -> dict[str, Any]:
             "usage": [a["usage"] for a in answers]}
 
 
-def ours(model: str, config: str, caching: bool) -> dict[str, Any]:
+@contextlib.contextmanager
+def ours(model: str, config: str, caching: bool) -> Iterator[str]:
     os.environ["PREFIX_CACHING"] = "1" if caching else "0"
     launcher = start_launcher([*launcher_flags(model, config), *LIMITS, "--max-concurrent-requests", "16"], "prefix")
     try:
-        print(f"  ours {config} PREFIX_CACHING={int(caching)}", flush=True)
-        return {"chat": asyncio.run(chat(launcher.url)), "rag": asyncio.run(rag(launcher.url))}
+        yield launcher.url
     finally:
         launcher.stop()
 
 
-def llama_server(binary: str, model: str) -> dict[str, Any]:
+@contextlib.contextmanager
+def llama_server(binary: str, model: str, argv_out: list[str]) -> Iterator[str]:
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
     slots = len(QUESTIONS)
     argv = [binary, "-m", str(chunked_gguf(model)), "-c", str(CONTEXT * slots), "-np", str(slots), "-t", "2",
             "--host", "127.0.0.1", "--port", str(port)]
+    argv_out.extend(argv)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(proc, url, log_path, STARTUP_TIMEOUT_S)
-        print(f"  llama-server ({' '.join(argv[1:])})", flush=True)
-        return {"argv": argv, "chat": asyncio.run(chat(url)), "rag": asyncio.run(rag(url))}
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=60)
 
 
 def summary(rows: dict[str, dict[str, Any]]) -> None:
-    print("\ntime to first token (s), turns 1..6; rag: all 8 first tokens (s)")
+    print("\ntime to first token (s), turns 1..6 (median over rounds); rag: all 8 first tokens (s)")
     for name, row in rows.items():
-        turns = " ".join(f"{t['ttft_s']:5.2f}" for t in row["chat"])
-        later = statistics.median(t["ttft_s"] for t in row["chat"][1:])
-        print(f"  {name:<24} {turns}   median 2-6 {later:.2f}   rag {row['rag']['prefill_s']:.2f}")
-    on, off = rows.get("ours, cache on"), rows.get("ours, cache off")
-    if on and off:
-        ratios = [a["ttft_s"] / b["ttft_s"] for a, b in zip(on["chat"][1:], off["chat"][1:], strict=True)]
-        print(f"  cache on / off: turns 2-6 {' '.join(f'{r:.2f}' for r in ratios)}; "
-              f"rag {on['rag']['prefill_s'] / off['rag']['prefill_s']:.2f}")
-    peer = rows.get("llama-server")
-    if on and peer:
-        ratios = [a["ttft_s"] / b["ttft_s"] for a, b in zip(on["chat"][1:], peer["chat"][1:], strict=True)]
-        print(f"  cache on / llama-server: turns 2-6 {' '.join(f'{r:.2f}' for r in ratios)}; "
-              f"rag {on['rag']['prefill_s'] / peer['rag']['prefill_s']:.2f}")
+        turns = " ".join(f"{t:5.2f}" for t in row["ttft_s"])
+        print(f"  {name:<24} {turns}   median 2-6 {statistics.median(row['ttft_s'][1:]):.2f}   "
+              f"rag {row['rag']['prefill_s']:.2f}")
+    on = rows["ours, cache on"]
+    for other in ("ours, cache off", "llama-server"):
+        if other in rows:
+            ratios = [a / b for a, b in zip(on["ttft_s"][1:], rows[other]["ttft_s"][1:], strict=True)]
+            print(f"  cache on / {other}: turns 2-6 {' '.join(f'{r:.2f}' for r in ratios)}; "
+                  f"rag {on['rag']['prefill_s'] / rows[other]['rag']['prefill_s']:.2f}")
 
 
 def main() -> None:
@@ -174,18 +179,31 @@ def main() -> None:
     parser.add_argument("--model", default=QWEN_CODER_05B_ID)
     parser.add_argument("--config", default="bfloat16/verified", help="dtype/mode, as memory.py's --configs")
     parser.add_argument("--llama-server", default=None, help="path to a llama-server binary (peer row)")
+    parser.add_argument("--rounds", type=int, default=2, help="conversations per server (medians per turn)")
     parser.add_argument("--out", default="prefix_chat")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
-    rows: dict[str, dict[str, Any]] = {}
-    if args.llama_server:
-        rows["llama-server"] = llama_server(args.llama_server, args.model)
-    rows["ours, cache on"] = ours(args.model, args.config, True)
-    rows["ours, cache off"] = ours(args.model, args.config, False)
+    peer_argv: list[str] = []
+    with contextlib.ExitStack() as servers:
+        urls = {"ours, cache on": servers.enter_context(ours(args.model, args.config, True)),
+                "ours, cache off": servers.enter_context(ours(args.model, args.config, False))}
+        if args.llama_server:
+            urls["llama-server"] = servers.enter_context(llama_server(args.llama_server, args.model, peer_argv))
+        rounds = []
+        for seed in range(args.rounds):
+            print(f"  chat, round {seed + 1}", flush=True)
+            rounds.append(asyncio.run(chats(urls, seed)))
+        rows: dict[str, dict[str, Any]] = {}
+        for name, url in urls.items():
+            print(f"  rag, {name}", flush=True)
+            chats_of = [[{k: v for k, v in t.items() if k != "times"} for t in r[name]] for r in rounds]
+            rows[name] = {"chats": chats_of, "rag": asyncio.run(rag(url)),
+                          "ttft_s": [statistics.median(c[k]["ttft_s"] for c in chats_of) for k in range(len(TURNS))]}
+    if peer_argv:
+        rows["llama-server"]["argv"] = peer_argv
     summary(rows)
     write_results(args.out, {"model": args.model, "config": args.config, "new_tokens": NEW_TOKENS,
-                             "turns": TURNS, "questions": QUESTIONS, "results": rows})
-
+                             "rounds": args.rounds, "turns": TURNS, "questions": QUESTIONS, "results": rows})
 
 if __name__ == "__main__":
     sys.exit(main())
