@@ -133,7 +133,8 @@ def build_metrics(max_input_tokens: int, max_total_tokens: int) -> Metrics:
             "tgi_batch_max_total_tokens", "Token budget of all batches", registry=r
         ),
         kv_blocks=Gauge("tgi_kv_blocks", "A paged shard's KV blocks as the router counts them: used by "
-                        "requests, cached (prompt prefixes no request holds), free", ["state"], registry=r),
+                        "requests, cached (prompt prefixes in the trie, held by requests or not), free",
+                        ["state"], registry=r),
         batch_next_size=Histogram(
             "tgi_batch_next_size", "New batch size", registry=r, buckets=BATCH_SIZE_BUCKETS
         ),
