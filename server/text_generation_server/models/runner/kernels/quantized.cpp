@@ -2,17 +2,18 @@
 // bitsandbytes 0.50 computes on the CPU.
 //
 // 4-bit (Linear4bit, nf4 and fp4): bitsandbytes dequantizes the whole weight, w = table[code] *
-// absmax[block] in fp32 (rounded to bf16 when the compute dtype is bf16), then calls F.linear.
-// Here each chunk of codes is decoded in registers to exactly those w values (a 16-entry table
-// lookup and one product with the block's absmax) and goes through the same few-row loop as the
-// dense weights (blocks.h): the weight stream is 4.5 bits per weight instead of 32, and only the
-// order of the fp32 sums differs from bitsandbytes. With a bf16 compute dtype the avx512_bf16
-// variant rounds the decoded weights to bf16 (as bitsandbytes does) and multiplies them with the
-// bf16 pair dot product, as bitsandbytes' bf16 matmul would: the products are exact either way,
-// two per instruction instead of one (against rounding in fp32 lanes: 0.72-0.73x the time at
-// one x row, 0.58-0.76x at 2-16 rows); on a Zen 4). The amx variant multiplies 2-16 x rows on
-// AMX tiles, decoding 16 weight rows to bf16 one tile at a time (8 rows: 0.56x the time of the
-// fp32 lanes on a Sapphire-Rapids-class Xeon, whose vdpbf16ps is slow).
+// absmax[block] in fp32 (rounded to bf16 when the compute dtype is bf16), then calls F.linear. Here
+// each chunk of codes is decoded in registers (a 16-entry table lookup) and multiplied with every x
+// row while there: the weight stream is 4.5 bits per weight instead of 32. AVX-512 builds decode
+// exactly bitsandbytes' w values (the table scaled by the block's absmax), so only the order of the
+// fp32 sums differs from bitsandbytes; AVX2 builds with an fp32 compute dtype sum t * x over an
+// absmax block and scale that sum once (four_bit_tile), which also rounds differently. With a bf16
+// compute dtype the avx512_bf16 variant rounds the decoded weights to bf16 (as bitsandbytes does)
+// and multiplies them with the bf16 pair dot product, as bitsandbytes' bf16 matmul would: the
+// products are exact either way, two per instruction instead of one (against rounding in fp32
+// lanes: 0.72-0.73x the time at one x row, 0.58-0.76x at 2-16 rows); on a Zen 4). The amx variant
+// multiplies 2-16 x rows on AMX tiles, decoding 16 weight rows to bf16 one tile at a time (8 rows:
+// 0.56x the time of the fp32 lanes on a Sapphire-Rapids-class Xeon, whose vdpbf16ps is slow).
 //
 // int8 (Linear8bitLt, LLM.int8() with threshold t, 6.0 by default): bitsandbytes casts x to
 // fp16; a column whose |x| >= t in any row is an outlier column; each row's scale is the absmax
@@ -65,6 +66,8 @@ inline int64_t source(int64_t p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
 struct Decoder {
   F table;
   explicit Decoder(const float* values) : table(_mm512_loadu_ps(values)) {}
+  // Unused here (kScalePerBlock is AVX2's), named by four_bit_tile's branch for it.
+  void unscaled(const uint8_t* codes, F (&out)[kVectors]) const { fp32<false>(codes, simd::set1(1.0f), out); }
   template <bool kRound>
   void fp32(const uint8_t* codes, F scale, F (&out)[kVectors]) const {
     F values = _mm512_mul_ps(table, scale);
@@ -109,8 +112,8 @@ struct Decoder {
     for (int b = 0; b < 4; ++b)
       planes[b] = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes[b])));
   }
-  template <bool kRound>
-  void fp32(const uint8_t* codes, F scale, F (&out)[kVectors]) const {
+  // The table's values (unscaled).
+  void unscaled(const uint8_t* codes, F (&out)[kVectors]) const {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
     const __m128i low4 = _mm_set1_epi8(15);
     const I index = _mm256_set_m128i(_mm_and_si128(packed, low4), _mm_and_si128(_mm_srli_epi16(packed, 4), low4));
@@ -118,12 +121,18 @@ struct Decoder {
     const I p2 = _mm256_shuffle_epi8(planes[2], index), p3 = _mm256_shuffle_epi8(planes[3], index);
     const I b01_low = _mm256_unpacklo_epi8(p0, p1), b01_high = _mm256_unpackhi_epi8(p0, p1);
     const I b23_low = _mm256_unpacklo_epi8(p2, p3), b23_high = _mm256_unpackhi_epi8(p2, p3);
-    out[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(b01_low, b23_low)), scale);
-    out[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(b01_low, b23_low)), scale);
-    out[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(b01_high, b23_high)), scale);
-    out[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(b01_high, b23_high)), scale);
-    if constexpr (kRound)
-      for (auto& v : out) v = simd::round_to_bf16(v);
+    out[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(b01_low, b23_low));
+    out[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(b01_low, b23_low));
+    out[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(b01_high, b23_high));
+    out[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(b01_high, b23_high));
+  }
+  template <bool kRound>
+  void fp32(const uint8_t* codes, F scale, F (&out)[kVectors]) const {
+    unscaled(codes, out);
+    for (auto& v : out) {
+      v = _mm256_mul_ps(v, scale);
+      if constexpr (kRound) v = simd::round_to_bf16(v);
+    }
   }
 };
 #endif
@@ -142,6 +151,7 @@ struct FourBit {
     return p;
   }
   F scale(int64_t row, int64_t c) const { return simd::set1(w.absmax[(row * k + c) >> shift]); }
+  bool starts_block(int64_t row, int64_t c) const { return ((row * k + c) & (w.blocksize - 1)) == 0; }
   template <bool kRound>
   void chunk(int64_t row, int64_t c, F (&out)[kVectors]) const {
     decoder.fp32<kRound>(codes(row, c), scale(row, c), out);
@@ -158,24 +168,6 @@ Prepared<float> prepare_4bit(const float* x, int64_t m, int64_t k) {
     for (int64_t c = 0; c < k; c += kChunk4)
       for (int64_t p = 0; p < kChunk4; ++p) out.row(j)[c + p] = x[j * k + c + source(p)];
   return out;
-}
-
-// One x row against R weight rows (a block of blocks::kRows, or a last single row), decoded in
-// registers chunk by chunk. Each row is summed into one accumulator in the order the few-row
-// product below sums the decoded rows (blocks::block: chunk after chunk, kLanes values at a time)
-// and finished by the same horizontal sums (blocks::store), so a row's output is the same bit for
-// bit whether it is multiplied alone or beside other x rows: a verification equals its steps.
-template <bool kRound, int R>
-void four_bit_one_row(const FourBit& w, const float* x, const float* bias, float* y, int64_t n, int64_t row) {
-  F acc[R][1];
-  for (auto& a : acc) a[0] = simd::zero();
-  for (int64_t c = 0; c < w.k; c += kChunk4)
-    for (int r = 0; r < R; ++r) {
-      F v[kVectors];
-      w.chunk<kRound>(row + r, c, v);
-      for (int i = 0; i < kVectors; ++i) acc[r][0] = simd::fmadd(v[i], simd::load(x + c + i * simd::kLanes), acc[r][0]);
-    }
-  blocks::store<R, 1>(acc, y, n, 0, row, bias);
 }
 
 // The few-row product (blocks.h) on weight rows row .. row + rows decoded into `decoded` (fp32
@@ -196,6 +188,83 @@ template <typename X>
   }
 }
 
+#if defined(__AVX512F__)
+constexpr bool kScalePerBlock = false;  // the table is scaled once per chunk: one product per 32 weights
+#else
+constexpr bool kScalePerBlock = true;  // one product per weight less: ~0.9x the one-row time (0.5B, Zen 3)
+#endif
+
+// x rows m0 .. m0 + MT against weight rows row .. row + R (R = kRows, 2 or 1), each chunk decoded in
+// registers once and multiplied with every x row of the tile while there. Each (weight row, x row)
+// pair is summed in one order whatever the tile: chunk after chunk, kLanes values at a time (the
+// few-row product's order on blocks decoded into a buffer, decoded_rows), finished by
+// blocks::store, whose horizontal sums depend only on whether the row lies in a block of kRows
+// (R = 4 or 2) or past the last one (R = 1). So a row's output is the same bit for bit alone or
+// beside other x rows: a verification equals its one-token steps.
+// With kScalePerBlock (AVX2, fp32 compute) the table's values are multiplied with x and the sums of
+// an absmax block are scaled once (sum(t * x) * absmax, not sum((t * absmax) * x) as bitsandbytes
+// computes: other roundings, the same value up to them); with a bf16 compute dtype each weight is
+// scaled and rounded to bf16 as bitsandbytes rounds it.
+template <bool kRound, int R, int MT>
+void four_bit_tile(const FourBit& w, const Prepared<float>& x, int64_t m0, const float* bias, float* y, int64_t n,
+                   int64_t row) {
+  constexpr bool kFactored = kScalePerBlock && !kRound;
+  F acc[R][MT], part[R][MT];  // part: the current absmax block's sums (kFactored)
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < MT; ++j) acc[r][j] = part[r][j] = simd::zero();
+  auto scale_part = [&](int r, int64_t c) {  // part[r] holds the block of chunk c
+    const F scale = w.scale(row + r, c);
+    for (int j = 0; j < MT; ++j) {
+      acc[r][j] = simd::fmadd(part[r][j], scale, acc[r][j]);
+      part[r][j] = simd::zero();
+    }
+  };
+  for (int64_t c = 0; c < w.k; c += kChunk4)
+    for (int r = 0; r < R; ++r) {
+      F v[kVectors];
+      if constexpr (kFactored) {
+        if (c > 0 && w.starts_block(row + r, c)) scale_part(r, c - kChunk4);
+        w.decoder.unscaled(w.codes(row + r, c), v);
+      } else {
+        w.chunk<kRound>(row + r, c, v);
+      }
+      F(&sums)[MT] = kFactored ? part[r] : acc[r];
+      for (int j = 0; j < MT; ++j) {
+        const float* xj = x.row(m0 + j) + c;
+        for (int i = 0; i < kVectors; ++i) sums[j] = simd::fmadd(v[i], simd::load(xj + i * simd::kLanes), sums[j]);
+      }
+    }
+  if constexpr (kFactored)
+    for (int r = 0; r < R; ++r) scale_part(r, w.k - kChunk4);
+  blocks::store<R, MT>(acc, y, n, m0, row, bias);
+}
+
+#if defined(__AVX512F__)
+constexpr int64_t kDirectRows = 1;  // more x rows: blocks decoded into a buffer first (decoded_rows)
+#else
+constexpr int64_t kDirectRows = std::numeric_limits<int64_t>::max();
+#endif
+
+// x rows against weight rows row .. row + R (R = kRows or 1), no decoded buffer: one x row against
+// the whole block, more in tiles of up to 6 against pairs of its rows (AVX2's 16 vector registers:
+// a tile's sums and block sums, the decoded chunk). On the 0.5B's shapes (2 threads, a Zen 3, fp32
+// compute) 2 / 3 / 4 / 6 / 8 x rows took 1.2-1.35 / 1.6 / 1.9-2.0 / 2.3-2.6 / 3.5-3.9x one row's
+// time, where decoding blocks into a buffer first (as AVX-512 builds do) took 1.67 / 1.93 / 2.08 /
+// 2.53 / 3.25x; each x row adds 4 vector FMAs per 32 weights to the decode they share.
+template <bool kRound, int R>
+void four_bit_direct(const FourBit& w, const Prepared<float>& x, int64_t m, const float* bias, float* y, int64_t n,
+                     int64_t row) {
+  if (m == 1) {
+    four_bit_tile<kRound, R, 1>(w, x, 0, bias, y, n, row);
+    return;
+  }
+  constexpr int kPair = R == 1 ? 1 : 2;
+  for (int r = 0; r < R; r += kPair)
+    blocks::for_tiles<6>(m, [&](auto size, int64_t m0) {
+      four_bit_tile<kRound, kPair, decltype(size)::value>(w, x, m0, bias, y, n, row + r);
+    });
+}
+
 template <bool kRound>
 inline void decode_into(const FourBit& w, int64_t row, int64_t c, float* out) {
   F v[kVectors];
@@ -212,7 +281,7 @@ inline void decode_into(const FourBit& w, int64_t row, int64_t c, uint16_t* out)
 }
 
 // One x row of bf16 values against R weight rows: 16 products per vdpbf16ps into one sum per
-// row, in the order of the few-row product's Bf16Weights (see the fp32 twin above).
+// row, in the order of the few-row product's Bf16Weights (see four_bit_tile).
 template <bool kRound, int R>
 void four_bit_one_row(const FourBit& w, const uint16_t* x, const float* bias, float* y, int64_t n, int64_t row) {
   __m256 acc[R][1];
@@ -276,8 +345,15 @@ void four_bit(const FourBit& w, const Prepared<X>& x, int64_t m, const float* bi
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, blocks::kRows * w.k / 2));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     const int64_t end = std::min(n, b1 * blocks::kRows);
-    if (m == 1) {
-      int64_t row = b0 * blocks::kRows;
+    int64_t row = b0 * blocks::kRows;
+    if constexpr (std::is_same_v<X, float>) {
+      if (m <= kDirectRows) {
+        for (; row + blocks::kRows <= end; row += blocks::kRows)
+          four_bit_direct<kRound, blocks::kRows>(w, x, m, bias, y, n, row);
+        for (; row < end; ++row) four_bit_direct<kRound, 1>(w, x, m, bias, y, n, row);
+        return;
+      }
+    } else if (m == 1) {
       for (; row + blocks::kRows <= end; row += blocks::kRows)
         four_bit_one_row<kRound, blocks::kRows>(w, x.row(0), bias, y, n, row);
       for (; row < end; ++row) four_bit_one_row<kRound, 1>(w, x.row(0), bias, y, n, row);
