@@ -66,8 +66,6 @@ inline int64_t source(int64_t p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
 struct Decoder {
   F table;
   explicit Decoder(const float* values) : table(_mm512_loadu_ps(values)) {}
-  // Unused here (kScalePerBlock is AVX2's), named by four_bit_tile's branch for it.
-  void unscaled(const uint8_t* codes, F (&out)[kVectors]) const { fp32<false>(codes, simd::set1(1.0f), out); }
   template <bool kRound>
   void fp32(const uint8_t* codes, F scale, F (&out)[kVectors]) const {
     F values = _mm512_mul_ps(table, scale);
@@ -102,7 +100,8 @@ inline int64_t source(int64_t p) {
 
 struct Decoder {
   I planes[4];
-  explicit Decoder(const float* values) {
+  const float* values;  // the 16 table values
+  explicit Decoder(const float* table) : values(table) {
     alignas(16) uint8_t bytes[4][16];
     for (int e = 0; e < 16; ++e) {
       uint32_t bits;
@@ -112,11 +111,15 @@ struct Decoder {
     for (int b = 0; b < 4; ++b)
       planes[b] = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes[b])));
   }
-  // The table's values (unscaled).
-  void unscaled(const uint8_t* codes, F (&out)[kVectors]) const {
+  // Lane 0: the high nibbles of the chunk's 16 bytes, lane 1: the low ones.
+  static I indices(const uint8_t* codes) {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
     const __m128i low4 = _mm_set1_epi8(15);
-    const I index = _mm256_set_m128i(_mm_and_si128(packed, low4), _mm_and_si128(_mm_srli_epi16(packed, 4), low4));
+    return _mm256_set_m128i(_mm_and_si128(packed, low4), _mm_and_si128(_mm_srli_epi16(packed, 4), low4));
+  }
+  // The table's values (unscaled).
+  void unscaled(const uint8_t* codes, F (&out)[kVectors]) const {
+    const I index = indices(codes);
     const I p0 = _mm256_shuffle_epi8(planes[0], index), p1 = _mm256_shuffle_epi8(planes[1], index);
     const I p2 = _mm256_shuffle_epi8(planes[2], index), p3 = _mm256_shuffle_epi8(planes[3], index);
     const I b01_low = _mm256_unpacklo_epi8(p0, p1), b01_high = _mm256_unpackhi_epi8(p0, p1);
@@ -125,6 +128,41 @@ struct Decoder {
     out[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(b01_low, b23_low));
     out[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(b01_high, b23_high));
     out[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(b01_high, b23_high));
+  }
+  // A block's 16 values scaled by its absmax and rounded to bf16, as bitsandbytes rounds them for a
+  // bf16 compute dtype: their lower 16 bits are 0, so two byte planes (bytes 2 and 3) hold them,
+  // built once per block instead of a product and a rounding per weight (one x row of the 0.5B's
+  // products: 0.82x the time, in pairs of weight rows; a block of 4 spilled the planes).
+  struct Bf16Planes {
+    I byte2, byte3;
+  };
+  Bf16Planes bf16_planes(float absmax) const {
+    // In 128-bit vectors (nothing crosses lanes): each value's bf16 bits as a word (values 8h ..
+    // 8h + 7 in words[h]), then their low bytes in one plane and their high bytes in the other.
+    const __m128 scale = _mm_set1_ps(absmax);
+    __m128i words[2];
+    for (int h = 0; h < 2; ++h) {
+      __m128i bits[2];
+      for (int q = 0; q < 2; ++q) {
+        const __m128i v = _mm_castps_si128(_mm_mul_ps(_mm_loadu_ps(values + 8 * h + 4 * q), scale));
+        const __m128i lsb = _mm_and_si128(_mm_srli_epi32(v, 16), _mm_set1_epi32(1));
+        bits[q] = _mm_srli_epi32(_mm_add_epi32(v, _mm_add_epi32(lsb, _mm_set1_epi32(0x7fff))), 16);  // round_to_bf16
+      }
+      words[h] = _mm_packus_epi32(bits[0], bits[1]);
+    }
+    const __m128i low = _mm_set1_epi16(0xff);
+    return {_mm256_broadcastsi128_si256(_mm_packus_epi16(_mm_and_si128(words[0], low), _mm_and_si128(words[1], low))),
+            _mm256_broadcastsi128_si256(_mm_packus_epi16(_mm_srli_epi16(words[0], 8), _mm_srli_epi16(words[1], 8)))};
+  }
+  // The chunk's values from its block's planes, in unscaled()'s order.
+  static void bf16_values(const uint8_t* codes, const Bf16Planes& planes, F (&out)[kVectors]) {
+    const I index = indices(codes), zero = _mm256_setzero_si256();
+    const I b2 = _mm256_shuffle_epi8(planes.byte2, index), b3 = _mm256_shuffle_epi8(planes.byte3, index);
+    const I low = _mm256_unpacklo_epi8(b2, b3), high = _mm256_unpackhi_epi8(b2, b3);
+    out[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, low));
+    out[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, low));
+    out[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, high));
+    out[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, high));
   }
   template <bool kRound>
   void fp32(const uint8_t* codes, F scale, F (&out)[kVectors]) const {
@@ -150,7 +188,8 @@ struct FourBit {
     if ((c & 127) == 0) simd::prefetch_ahead(p);  // a cache line of codes per 128 weights
     return p;
   }
-  F scale(int64_t row, int64_t c) const { return simd::set1(w.absmax[(row * k + c) >> shift]); }
+  float absmax(int64_t row, int64_t c) const { return w.absmax[(row * k + c) >> shift]; }
+  F scale(int64_t row, int64_t c) const { return simd::set1(absmax(row, c)); }
   bool starts_block(int64_t row, int64_t c) const { return ((row * k + c) & (w.blocksize - 1)) == 0; }
   template <bool kRound>
   void chunk(int64_t row, int64_t c, F (&out)[kVectors]) const {
@@ -188,12 +227,6 @@ template <typename X>
   }
 }
 
-#if defined(__AVX512F__)
-constexpr bool kScalePerBlock = false;  // the table is scaled once per chunk: one product per 32 weights
-#else
-constexpr bool kScalePerBlock = true;  // one product per weight less: ~0.9x the one-row time (0.5B, Zen 3)
-#endif
-
 // x rows m0 .. m0 + MT against weight rows row .. row + R (R = kRows, 2 or 1), each chunk decoded in
 // registers once and multiplied with every x row of the tile while there. Each (weight row, x row)
 // pair is summed in one order whatever the tile: chunk after chunk, kLanes values at a time (the
@@ -201,18 +234,24 @@ constexpr bool kScalePerBlock = true;  // one product per weight less: ~0.9x the
 // blocks::store, whose horizontal sums depend only on whether the row lies in a block of kRows
 // (R = 4 or 2) or past the last one (R = 1). So a row's output is the same bit for bit alone or
 // beside other x rows: a verification equals its one-token steps.
-// With kScalePerBlock (AVX2, fp32 compute) the table's values are multiplied with x and the sums of
-// an absmax block are scaled once (sum(t * x) * absmax, not sum((t * absmax) * x) as bitsandbytes
-// computes: other roundings, the same value up to them); with a bf16 compute dtype each weight is
-// scaled and rounded to bf16 as bitsandbytes rounds it.
+// On AVX2 with an fp32 compute dtype the table's values are multiplied with x and the sums of an
+// absmax block scaled once (sum(t * x) * absmax, not sum((t * absmax) * x) as bitsandbytes
+// computes: other roundings, the same value up to them; one product per weight less, ~0.9x the
+// one-row time); with a bf16 compute dtype each block's 16 values are scaled and rounded to bf16
+// once (Decoder::bf16_planes), the values bitsandbytes multiplies.
 template <bool kRound, int R, int MT>
 void four_bit_tile(const FourBit& w, const Prepared<float>& x, int64_t m0, const float* bias, float* y, int64_t n,
                    int64_t row) {
-  constexpr bool kFactored = kScalePerBlock && !kRound;
+#if defined(__AVX512F__)
+  constexpr bool kFactored = false;
+#else
+  constexpr bool kFactored = !kRound;
+  [[maybe_unused]] Decoder::Bf16Planes planes[R];  // kRound: each row's current block
+#endif
   F acc[R][MT], part[R][MT];  // part: the current absmax block's sums (kFactored)
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < MT; ++j) acc[r][j] = part[r][j] = simd::zero();
-  auto scale_part = [&](int r, int64_t c) {  // part[r] holds the block of chunk c
+  [[maybe_unused]] auto scale_part = [&](int r, int64_t c) {  // part[r] holds the block of chunk c
     const F scale = w.scale(row + r, c);
     for (int j = 0; j < MT; ++j) {
       acc[r][j] = simd::fmadd(part[r][j], scale, acc[r][j]);
@@ -222,12 +261,22 @@ void four_bit_tile(const FourBit& w, const Prepared<float>& x, int64_t m0, const
   for (int64_t c = 0; c < w.k; c += kChunk4)
     for (int r = 0; r < R; ++r) {
       F v[kVectors];
-      if constexpr (kFactored) {
-        if (c > 0 && w.starts_block(row + r, c)) scale_part(r, c - kChunk4);
-        w.decoder.unscaled(w.codes(row + r, c), v);
-      } else {
-        w.chunk<kRound>(row + r, c, v);
+#if defined(__AVX512F__)
+      w.chunk<kRound>(row + r, c, v);
+#else
+      if (c == 0 || w.starts_block(row + r, c)) {  // a row's first chunk may lie inside a block
+        if constexpr (kRound) {
+          planes[r] = w.decoder.bf16_planes(w.absmax(row + r, c));
+        } else if (c > 0) {
+          scale_part(r, c - kChunk4);
+        }
       }
+      if constexpr (kRound) {
+        Decoder::bf16_values(w.codes(row + r, c), planes[r], v);
+      } else {
+        w.decoder.unscaled(w.codes(row + r, c), v);
+      }
+#endif
       F(&sums)[MT] = kFactored ? part[r] : acc[r];
       for (int j = 0; j < MT; ++j) {
         const float* xj = x.row(m0 + j) + c;
@@ -246,19 +295,19 @@ constexpr int64_t kDirectRows = std::numeric_limits<int64_t>::max();
 #endif
 
 // x rows against weight rows row .. row + R (R = kRows or 1), no decoded buffer: one x row against
-// the whole block, more in tiles of up to 6 against pairs of its rows (AVX2's 16 vector registers:
-// a tile's sums and block sums, the decoded chunk). On the 0.5B's shapes (2 threads, a Zen 3, fp32
+// the whole block (fp32 compute), more (or bf16 compute) in tiles of up to 6 against pairs of its
+// rows (AVX2's 16 vector registers: a tile's sums and block sums or planes, the decoded chunk). On the 0.5B's shapes (2 threads, a Zen 3, fp32
 // compute) 2 / 3 / 4 / 6 / 8 x rows took 1.2-1.35 / 1.6 / 1.9-2.0 / 2.3-2.6 / 3.5-3.9x one row's
 // time, where decoding blocks into a buffer first (as AVX-512 builds do) took 1.67 / 1.93 / 2.08 /
 // 2.53 / 3.25x; each x row adds 4 vector FMAs per 32 weights to the decode they share.
 template <bool kRound, int R>
 void four_bit_direct(const FourBit& w, const Prepared<float>& x, int64_t m, const float* bias, float* y, int64_t n,
                      int64_t row) {
-  if (m == 1) {
+  constexpr int kPair = R == 1 ? 1 : 2;
+  if (m == 1 && !kRound) {
     four_bit_tile<kRound, R, 1>(w, x, 0, bias, y, n, row);
     return;
   }
-  constexpr int kPair = R == 1 ? 1 : 2;
   for (int r = 0; r < R; r += kPair)
     blocks::for_tiles<6>(m, [&](auto size, int64_t m0) {
       four_bit_tile<kRound, kPair, decltype(size)::value>(w, x, m0, bias, y, n, row + r);
