@@ -1,8 +1,8 @@
 """A decode step's products alone: our kernels against torch's and bitsandbytes' own ops.
 
 Random weights with the default model's layer shapes (30 layers of fused q/k/v, o, gate/up and
-down projections: 120 products, 106M weights; the lm_head stays dense in every bnb model and
-is left out), 1 and 8 activation rows, 2 threads. Contestants, per weight format:
+down projections: 120 products, 106M weights; the lm_head is left out), or the Qwen 0.5B's (24
+layers, 358M weights), 1 and 8 activation rows (or `--rows`), 2 threads. Contestants, per weight format:
 - fp32 / bf16: torch `F.linear` vs our `small_m_linear`;
 - int8: our LLM.int8() kernel vs `bnb.matmul` (what Linear8bitLt runs; the same numerics) vs
   torch's weight-only `_weight_int8pack_mm` (other numerics: no activation quantization);
@@ -16,6 +16,7 @@ Each figure is one whole step of products; contestants are interleaved, median o
 Results: benchmark/results/kernel_products.json.
 
 Usage: .venv/bin/python benchmark/kernel_products.py [--repeats 7] [--threads 2]
+       [--shapes smollm2-135m|qwen0.5b] [--formats fp32,bf16,int8,nf4,nf4-bf16] [--rows 1,8] [--out NAME]
 """
 
 from __future__ import annotations
@@ -33,17 +34,17 @@ from text_generation_server.models.runner import cpu_kernels
 
 from common import interleave, summarize, write_results
 
-# (out, in) of one decoder layer's fused products.
-LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-LAYERS = 30
+# (out, in) of one decoder layer's fused products (q/k/v, o, gate/up, down), and the layer count.
+SHAPES = {"smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30),
+          "qwen0.5b": ([(1152, 896), (896, 896), (9728, 896), (896, 4864)], 24)}
 GROUP = 64
 
 Product = Callable[[torch.Tensor], torch.Tensor]  # x -> y for one weight
 
 
-def _weights() -> list[torch.Tensor]:
+def _weights(shapes: list[tuple[int, int]], layers: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return [torch.randn(shape, generator=generator) / shape[1] ** 0.5 for _ in range(LAYERS) for shape in LAYER_SHAPES]
+    return [torch.randn(shape, generator=generator) / shape[1] ** 0.5 for _ in range(layers) for shape in shapes]
 
 
 def dense(ops: cpu_kernels.CpuOps, weights: list[torch.Tensor], dtype: torch.dtype) -> dict[str, list[Product]]:
@@ -99,9 +100,10 @@ def four_bit(ops: cpu_kernels.CpuOps, weights: list[torch.Tensor],
     return out
 
 
-def step_timer(products: list[Product], dtype: torch.dtype, rows: int) -> Callable[[], float]:
-    inputs = {k: torch.randn(rows, k).to(dtype) for k in {shape[1] for shape in LAYER_SHAPES}}
-    keys = [shape[1] for _ in range(LAYERS) for shape in LAYER_SHAPES]
+def step_timer(products: list[Product], weights: list[torch.Tensor], dtype: torch.dtype,
+               rows: int) -> Callable[[], float]:
+    keys = [w.shape[1] for w in weights]
+    inputs = {k: torch.randn(rows, k).to(dtype) for k in set(keys)}
 
     def run() -> float:
         start = time.perf_counter()
@@ -117,6 +119,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2-135m", help="whose layer shapes")
+    parser.add_argument("--formats", default="fp32,bf16,int8,nf4,nf4-bf16")
+    parser.add_argument("--rows", default="1,8", help="activation rows, comma-separated")
+    parser.add_argument("--out", default="kernel_products")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*inputs will be cast from.*")
@@ -125,15 +131,21 @@ def main() -> None:
     ops = {kind: o for kind, o in loaded.items() if o is not None}
     if len(ops) < len(loaded):
         raise SystemExit(f"the CPU kernels are unavailable here: {cpu_kernels.unavailable_reason()}")
-    weights = _weights()
+    weights = _weights(*SHAPES[args.shapes])
     params = sum(w.numel() for w in weights)
-    formats = {"fp32": (dense(ops["float32"], weights, torch.float32), torch.float32, 4.0),
-               "bf16": (dense(ops["bfloat16"], weights, torch.bfloat16), torch.bfloat16, 2.0),
-               "int8": (int8(ops["int8"], weights), torch.float32, 1.0),
-               "nf4": (four_bit(ops["4bit"], weights), torch.float32, 0.5625),
-               "nf4-bf16": (four_bit(ops["4bit-bfloat16"], weights, torch.bfloat16), torch.bfloat16, 0.5625)}
-    runs = {f"{fmt} {name} {rows} row{'s' if rows > 1 else ''}": step_timer(products, dtype, rows)
-            for fmt, (contestants, dtype, _) in formats.items() for rows in (1, 8)
+    builders = {"fp32": (lambda: dense(ops["float32"], weights, torch.float32), torch.float32, 4.0),
+                "bf16": (lambda: dense(ops["bfloat16"], weights, torch.bfloat16), torch.bfloat16, 2.0),
+                "int8": (lambda: int8(ops["int8"], weights), torch.float32, 1.0),
+                "nf4": (lambda: four_bit(ops["4bit"], weights), torch.float32, 0.5625),
+                "nf4-bf16": (lambda: four_bit(ops["4bit-bfloat16"], weights, torch.bfloat16), torch.bfloat16, 0.5625)}
+    unknown = sorted(set(args.formats.split(",")) - set(builders))
+    if unknown:
+        raise SystemExit(f"--formats: unknown {unknown}; known: {sorted(builders)}")
+    formats = {fmt: (build(), dtype, width) for fmt, (build, dtype, width) in builders.items()
+               if fmt in args.formats.split(",")}
+    row_counts = [int(rows) for rows in args.rows.split(",")]
+    runs = {f"{fmt} {name} {rows} row{'s' if rows > 1 else ''}": step_timer(products, weights, dtype, rows)
+            for fmt, (contestants, dtype, _) in formats.items() for rows in row_counts
             for name, products in contestants.items()}
     figures = summarize(interleave(runs, args.repeats))
     variants = {kind: o.variant for kind, o in ops.items()}
@@ -142,9 +154,13 @@ def main() -> None:
     for name, figure in figures.items():
         gb_s = params * formats[name.split()[0]][2] / figure["median"] / 1e6
         figure["weight_gb_per_s"] = gb_s
-        print(f"{name:<36}{figure['median']:>8.1f} ms{gb_s:>8.1f} GB/s")
-    write_results("kernel_products", {"threads": args.threads, "repeats": args.repeats, "cpu_kernels": variants,
-                                      "ms_per_step": figures})
+        one_row = figures.get(name.rsplit(" ", 2)[0] + " 1 row")  # the same contestant's 1-row time
+        if one_row:
+            figure["over_1_row"] = figure["median"] / one_row["median"]
+        print(f"{name:<36}{figure['median']:>8.1f} ms{gb_s:>8.1f} GB/s"
+              + (f"{figure['over_1_row']:>7.2f}x 1 row" if one_row else ""))
+    write_results(args.out, {"threads": args.threads, "repeats": args.repeats, "shapes": args.shapes,
+                             "cpu_kernels": variants, "ms_per_step": figures})
 
 
 if __name__ == "__main__":
