@@ -295,16 +295,22 @@ constexpr int64_t kDirectRows = std::numeric_limits<int64_t>::max();
 #endif
 
 // x rows against weight rows row .. row + R (R = kRows or 1), no decoded buffer: one x row against
-// the whole block (fp32 compute), more (or bf16 compute) in tiles of up to 6 against pairs of its
-// rows (AVX2's 16 vector registers: a tile's sums and block sums or planes, the decoded chunk). On the 0.5B's shapes (2 threads, a Zen 3, fp32
-// compute) 2 / 3 / 4 / 6 / 8 x rows took 1.2-1.35 / 1.6 / 1.9-2.0 / 2.3-2.6 / 3.5-3.9x one row's
-// time, where decoding blocks into a buffer first (as AVX-512 builds do) took 1.67 / 1.93 / 2.08 /
-// 2.53 / 3.25x; each x row adds 4 vector FMAs per 32 weights to the decode they share.
+// the whole block (but with bf16 planes), more in tiles of up to 6 against pairs of its rows
+// (AVX2's 16 vector registers: a tile's sums, block sums or planes, the decoded chunk). On the
+// 0.5B's shapes (2 threads, a Zen 3, fp32 compute) 2 / 3 / 4 / 6 / 8 x rows took 1.2-1.4 / 1.6 /
+// 1.8-2.0 / 2.3 / 3.5x one row's time (kernel_products.py --shapes qwen0.5b, runs minutes apart),
+// where decoding blocks into a buffer first (as AVX-512 builds do) took 1.67 / 1.93 / 2.08 / 2.53 /
+// 3.25x of a slower row; each x row adds 4 vector FMAs per 32 weights to the decode they share.
 template <bool kRound, int R>
 void four_bit_direct(const FourBit& w, const Prepared<float>& x, int64_t m, const float* bias, float* y, int64_t n,
                      int64_t row) {
   constexpr int kPair = R == 1 ? 1 : 2;
-  if (m == 1 && !kRound) {
+#if defined(__AVX512F__)
+  constexpr bool kWholeBlock = true;
+#else
+  constexpr bool kWholeBlock = !kRound;  // a block's 4 rows of bf16 planes spilled (1.27x the time of pairs)
+#endif
+  if (m == 1 && kWholeBlock) {
     four_bit_tile<kRound, R, 1>(w, x, 0, bias, y, n, row);
     return;
   }
