@@ -57,12 +57,14 @@ def launcher_flags(model: str, config: str) -> list[str]:
     dtype, mode = config.split("/")
     flags = ["--model-id", model, "--max-input-tokens", str(CONTEXT - 512), "--max-total-tokens", str(CONTEXT),
              "--max-batch-prefill-tokens", str(CONTEXT - 512)]
-    if dtype in QUANTIZE:
-        flags += ["--quantize", QUANTIZE[dtype], "--dtype", "bfloat16"]
+    quantize, _, compute = dtype.partition("-")  # "nf4" runs in bfloat16, "nf4-float32" in float32
+    if quantize in QUANTIZE and compute in ("", "float32", "bfloat16"):
+        flags += ["--quantize", QUANTIZE[quantize], "--dtype", compute or "bfloat16"]
     elif dtype in ("float32", "bfloat16"):
         flags += ["--dtype", dtype]
     else:
-        raise SystemExit(f"config {config!r}: dtype {dtype!r} is not one of float32, bfloat16, {', '.join(QUANTIZE)}")
+        raise SystemExit(f"config {config!r}: dtype {dtype!r} is not one of float32, bfloat16, {', '.join(QUANTIZE)} "
+                         "(bfloat16 compute; with -float32 appended, float32)")
     if mode == "verified":
         flags += ["--layer-skip-mode", "verified", "--layer-skip-policy", "auto"]
     elif mode != "off":
