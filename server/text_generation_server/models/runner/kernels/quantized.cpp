@@ -297,8 +297,8 @@ constexpr int64_t kDirectRows = std::numeric_limits<int64_t>::max();
 // x rows against weight rows row .. row + R (R = kRows or 1), no decoded buffer: one x row against
 // the whole block (but with bf16 planes), more in tiles of up to 6 against pairs of its rows
 // (AVX2's 16 vector registers: a tile's sums, block sums or planes, the decoded chunk). On the
-// 0.5B's shapes (2 threads, a Zen 3, fp32 compute) 2 / 3 / 4 / 6 / 8 x rows took 1.2-1.4 / 1.6 /
-// 1.8-2.0 / 2.3 / 3.5x one row's time (kernel_products.py --shapes qwen0.5b, runs minutes apart),
+// 0.5B's shapes (2 threads, a Zen 3, fp32 compute) 2 / 3 / 4 / 6 / 8 x rows took 1.2-1.4 / 1.6-1.9 /
+// 1.8-2.6 / 2.3-2.5 / 3.5-4.8x one row's time (kernel_products.py --shapes qwen0.5b, noisy runs),
 // where decoding blocks into a buffer first (as AVX-512 builds do) took 1.67 / 1.93 / 2.08 / 2.53 /
 // 3.25x of a slower row; each x row adds 4 vector FMAs per 32 weights to the decode they share.
 template <bool kRound, int R>
