@@ -137,18 +137,14 @@ struct Decoder {
     I byte2, byte3;
   };
   Bf16Planes bf16_planes(float absmax) const {
-    // In 128-bit vectors (nothing crosses lanes): each value's bf16 bits as a word (values 8h ..
-    // 8h + 7 in words[h]), then their low bytes in one plane and their high bytes in the other.
-    const __m128 scale = _mm_set1_ps(absmax);
+    // Each value's bf16 bits as a word (values 8h .. 8h + 7 in words[h]), then their low bytes in
+    // one plane and their high bytes in the other.
     __m128i words[2];
     for (int h = 0; h < 2; ++h) {
-      __m128i bits[2];
-      for (int q = 0; q < 2; ++q) {
-        const __m128i v = _mm_castps_si128(_mm_mul_ps(_mm_loadu_ps(values + 8 * h + 4 * q), scale));
-        const __m128i lsb = _mm_and_si128(_mm_srli_epi32(v, 16), _mm_set1_epi32(1));
-        bits[q] = _mm_srli_epi32(_mm_add_epi32(v, _mm_add_epi32(lsb, _mm_set1_epi32(0x7fff))), 16);  // round_to_bf16
-      }
-      words[h] = _mm_packus_epi32(bits[0], bits[1]);
+      const I bits = _mm256_srli_epi32(
+          _mm256_castps_si256(simd::round_to_bf16(_mm256_mul_ps(_mm256_loadu_ps(values + 8 * h), simd::set1(absmax)))),
+          16);
+      words[h] = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
     }
     const __m128i low = _mm_set1_epi16(0xff);
     return {_mm256_broadcastsi128_si256(_mm_packus_epi16(_mm_and_si128(words[0], low), _mm_and_si128(words[1], low))),
