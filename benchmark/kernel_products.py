@@ -13,7 +13,7 @@ layers, 358M weights), 1 and 8 activation rows (or `--rows`), 2 threads. Contest
   avx512_bf16 variant) vs bitsandbytes' path in bf16 (weights dequantized, cast to bf16, F.linear).
 Each format runs on the variant chosen for its weight kind (kernel_choice).
 Each figure is one whole step of products; contestants are interleaved, median of the repeats.
-Results: benchmark/results/kernel_products.json.
+Results: benchmark/results/kernel_products.json (or --out NAME).
 
 Usage: .venv/bin/python benchmark/kernel_products.py [--repeats 7] [--threads 2]
        [--shapes smollm2-135m|qwen0.5b] [--formats fp32,bf16,int8,nf4,nf4-bf16] [--rows 1,8] [--out NAME]
