@@ -7,7 +7,7 @@ layers, 358M weights), 1 and 8 activation rows (or `--rows`), 2 threads. Contest
 - int8: our LLM.int8() kernel vs `bnb.matmul` (what Linear8bitLt runs; the same numerics) vs
   torch's weight-only `_weight_int8pack_mm` (other numerics: no activation quantization);
 - 4-bit: our nf4 kernel vs bitsandbytes' CPU path (dequantize the weight, then F.linear; the same
-  numerics) vs torch's `_weight_int4pack_mm_for_cpu` (asymmetric int4 with zero points in
+  numerics) vs our kernel with int8 activations (TGI_4BIT_ACTIVATIONS=int8: other numerics) vs torch's `_weight_int4pack_mm_for_cpu` (asymmetric int4 with zero points in
   groups of 64: it cannot hold nf4's table, so it is a speed reference only);
 - 4-bit with a bf16 compute dtype ("nf4-bf16"): our kernel (bf16 dot products on the
   avx512_bf16 variant) vs bitsandbytes' path in bf16 (weights dequantized, cast to bf16, F.linear).
@@ -78,6 +78,7 @@ def four_bit(ops: cpu_kernels.CpuOps, weights: list[torch.Tensor],
     table = bnb_functional.get_4bit_type("nf4", device="cpu").float()
     out: dict[str, list[Product]] = {"kernel": [], "bnb dequantize+linear": []}
     if dtype == torch.float32:
+        out["kernel int8-x"] = []
         out["torch int4pack"] = []
     for w in weights:
         n, k = w.shape
@@ -88,6 +89,8 @@ def four_bit(ops: cpu_kernels.CpuOps, weights: list[torch.Tensor],
             lambda x, p=packed, s=state: F.linear(x, bnb_functional.dequantize_4bit(p, s).to(x.dtype)))
         if dtype != torch.float32:
             continue
+        out["kernel int8-x"].append(ops.Projection.four_bit(packed.view(torch.uint8).reshape(-1), state.absmax.float(),
+                                                            table, 64, n, k, None, int8_x=True))
         groups = w.view(n, k // GROUP, GROUP)
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
         scale = (high - low).clamp(min=1e-8) / 15

@@ -1,6 +1,9 @@
 """The kernels' bitsandbytes products against bitsandbytes itself and float64 references.
 
 Once per ISA variant the CPU can run (test_cpu_kernels' `ops` fixture). Tolerances:
+- 4-bit with int8 activations (TGI_4BIT_ACTIVATIONS=int8): against its own definition in float64
+  (x rounded to int8 per 32 values, the table to int8, the integer sums exact): within 1e-6
+  relative (measured 6e-8..1.2e-7: fp32 scaling of exact chunk sums).
 - 4-bit (nf4, fp4), fp32 activations: bitsandbytes' own path is dequantize (fp32, exact values)
   then F.linear; the kernel decodes the same values, so only the order of fp32 sums differs:
   within 1e-5 relative to the output scale of x @ dequantize_4bit(W).T in float64 (measured
@@ -35,9 +38,17 @@ def _relative(out: torch.Tensor, expected: torch.Tensor) -> float:
     return float((out.double() - expected.double()).abs().max() / (expected.double().abs().max() + 1.0))
 
 
-def _four_bit(ops, weight: torch.Tensor, quant_type: str, blocksize: int, bias: torch.Tensor | None):  # noqa: F811
+def _nibbles(codes: torch.Tensor, count: int) -> torch.Tensor:
+    """Element e's code: the high nibble of codes[e // 2] for even e, the low one for odd e."""
+    e = torch.arange(count)
+    return torch.where(e % 2 == 0, codes[e // 2] >> 4, codes[e // 2] & 15).long()
+
+
+def _four_bit(ops, weight: torch.Tensor, quant_type: str, blocksize: int, bias: torch.Tensor | None,  # noqa: F811
+              int8_x: bool = False):
     """The kernels' projection and the weights by bitsandbytes' definition of its format: element e
-    of the flattened weight is table[nibble e] * absmax[e // blocksize], the high nibble first.
+    of the flattened weight is table[nibble e] * absmax[e // blocksize], the high nibble first;
+    with int8_x (int8 activations) the table is rounded to int8 steps of max|t| / 127.
 
     bitsandbytes' own `dequantize_4bit` computes that, but its CPU kernel for AVX-512 BF16 (0.50.2)
     misreads absmax blocks that span two weight rows (measured: errors of 2.0 on [7, 96] with
@@ -46,10 +57,13 @@ def _four_bit(ops, weight: torch.Tensor, quant_type: str, blocksize: int, bias: 
     table = functional.get_4bit_type(quant_type, device="cpu").float()
     n, k = weight.shape
     codes = packed.view(torch.uint8).reshape(-1)
-    projection = ops.Projection.four_bit(codes, state.absmax.float(), table, blocksize, n, k, bias)
-    e = torch.arange(n * k)
-    nibbles = torch.where(e % 2 == 0, codes[e // 2] >> 4, codes[e // 2] & 15).long()
-    dense = (table[nibbles] * state.absmax.float()[e // blocksize]).view(n, k)
+    projection = ops.Projection.four_bit(codes, state.absmax.float(), table, blocksize, n, k, bias, int8_x=int8_x)
+    absmax = state.absmax.float()[torch.arange(n * k) // blocksize]
+    if int8_x:
+        top = table.abs().max()
+        steps = torch.round(table * (127.0 / top)).double() * float(top / 127.0)
+        return projection, (steps[_nibbles(codes, n * k)] * absmax.double()).view(n, k)
+    dense = (table[_nibbles(codes, n * k)] * absmax).view(n, k)
     if k % blocksize == 0:
         assert torch.equal(functional.dequantize_4bit(packed, state), dense)
     return projection, dense
@@ -71,6 +85,29 @@ def test_four_bit_equals_dequantize_then_matmul(ops, quant_type: str, n: int, k:
             expected = x.double() @ dense.double().T + (with_bias.double() if with_bias is not None else 0.0)
             error = _relative(projection(x), expected)
             assert error <= 1e-5, f"{quant_type} [{n}, {k}] blocksize {blocksize}, {rows} rows: error {error}"
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize(("n", "k", "blocksize"), [(1, 32, 32), (5, 64, 64), (37, 96, 32), (7, 96, 64),
+                                                   (2, 64, 128), (129, 576, 64)])
+def test_four_bit_with_int8_activations_follows_its_definition(ops, quant_type: str, n: int, k: int,  # noqa: F811
+                                                               blocksize: int) -> None:
+    """Each 32 values of an x row as round(x * 127 / max|x|) times max|x| / 127; the table as
+    round(t * 127 / max|t|) times max|t| / 127; the weights' absmax as they are."""
+    generator = torch.Generator().manual_seed(n * 100 + k)
+    weight = torch.randn(n, k, generator=generator) / k**0.5
+    bias = torch.randn(n, generator=generator)
+    projection, weights = _four_bit(ops, weight, quant_type, blocksize, bias, int8_x=True)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=generator) * 3
+        x[0, :32] = 0.0  # a chunk of zeros: scale 0
+        chunks = x.view(rows, k // 32, 32)
+        most = chunks.abs().amax(-1, keepdim=True)
+        values = torch.round(chunks * torch.where(most > 0, 127.0 / most, torch.zeros_like(most)))
+        x_int8 = (values.double() * (most / 127.0).double()).view(rows, k)
+        expected = x_int8 @ weights.T + bias.double()
+        error = _relative(projection(x), expected)
+        assert error <= 1e-6, f"{quant_type} [{n}, {k}] blocksize {blocksize}, {rows} rows: error {error}"
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
@@ -155,12 +192,13 @@ def test_int8_bf16_activations(ops) -> None:  # noqa: F811
 
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["nf4", "fp4", "int8"])
+@pytest.mark.parametrize("kind", ["nf4", "fp4", "int8", "nf4-int8x"])
 def test_a_rows_product_does_not_depend_on_the_other_rows(ops, kind: str, dtype: torch.dtype) -> None:  # noqa: F811
     """Each x row's output is bit for bit its product alone at 1-16 rows (one row, the few-row
     tiles, AMX's tiles): LLM.int8()'s outlier columns are decided per row (rows 3 and 9 have
     their own, row 5 one in a column row 3 shares), and a 4-bit row sums in one order however
-    many rows share the product. A verification of k tokens therefore equals k one-token steps."""
+    many rows share the product (with int8 activations: each row quantized alone, its chunk sums
+    exact). A verification of k tokens therefore equals k one-token steps."""
     generator = torch.Generator().manual_seed(23)
     weight = torch.randn(37, 640, generator=generator) / 25  # 9 blocks of 4 rows and a single row
     bias = torch.randn(37, generator=generator)
@@ -168,7 +206,7 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(ops, kind: str, dtype:
         codes, scales, _ = _bnb_int8(weight, 6.0)
         projection = ops.Projection.int8(codes, scales, bias, 6.0)
     else:
-        projection, _ = _four_bit(ops, weight, kind, 64, bias.to(dtype))
+        projection, _ = _four_bit(ops, weight, kind.split("-")[0], 64, bias.to(dtype), int8_x=kind.endswith("int8x"))
     x = (torch.randn(cpu_kernels.MAX_ROWS, 640, generator=generator) * 2).to(dtype)
     x[3, 100] = x[9, 2] = x[5, 100] = 8.0
     alone = _row_by_row(projection, x)

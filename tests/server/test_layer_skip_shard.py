@@ -25,7 +25,7 @@ from text_generation_server.layerskip import (
     save_policy,
 )
 from text_generation_server.models.loading import LoadConfig, load_model, load_tokenizer
-from text_generation_server.models.runner import ForwardInputs, build_runner
+from text_generation_server.models.runner import FastRunnerConfig, ForwardInputs, build_runner
 from text_generation_server.pb import generate_pb2
 
 from factories import decode_in_process, make_batch, make_request
@@ -42,10 +42,12 @@ def policy_path(hf_model: torch.nn.Module, tmp_path_factory: pytest.TempPathFact
     return write_policy(hf_model, tmp_path_factory.mktemp("policy") / "policy.json", SIX_LAYERS, TWO_LAYERS)
 
 
-def make_lm(model_path: Path, hf_model: torch.nn.Module, mode: str, policy: Path | None) -> CausalLM:
+def make_lm(model_path: Path, hf_model: torch.nn.Module, mode: str, policy: Path | None,
+            runner_config: FastRunnerConfig | None = None) -> CausalLM:
     tokenizer = load_tokenizer(model_path)
     planner = SkipPlanner(hf_model, LayerSkipConfig(mode, str(policy) if policy else None))
-    return CausalLM(build_runner(hf_model, "fast"), tokenizer, frozenset({tokenizer.eos_token_id}), planner)
+    return CausalLM(build_runner(hf_model, "fast", runner_config), tokenizer, frozenset({tokenizer.eos_token_id}),
+                    planner)
 
 
 class LayerCounter:

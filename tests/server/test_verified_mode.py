@@ -2,7 +2,8 @@
 
 Drafting is forced on for the whole run (`auto_off = False`), so every step is a real
 draft-verify cycle; the policy drafts with 6 of 30 layers bypassed. float32 checks all 30
-prompts of `prompt_sets.ALL`, bitsandbytes nf4 and int8 every other one (all 30 with
+prompts of `prompt_sets.ALL`, bitsandbytes nf4 (with bitsandbytes' numerics, and with int8
+activations: TGI_4BIT_ACTIVATIONS=int8) and int8 every other one (all 30 with
 TGI_FULL_EXACTNESS=1); all must match exactly. A divergence is printed with its position and
 the full model's top-2 logit margin there.
 """
@@ -22,6 +23,7 @@ from text_generation_server.engine.batch import CausalLMBatch
 from text_generation_server.engine.causal_lm import CausalLM
 from text_generation_server.layerskip import DraftSettings
 from text_generation_server.models.loading import LoadConfig, load_model
+from text_generation_server.models.runner import FastRunnerConfig
 from text_generation_server.models.runner.base import ForwardInputs
 from text_generation_server.models.runner.kv_cache import KVCache
 from text_generation_server.speculative.cost_model import MAX_DRAFT, CostModel
@@ -60,7 +62,8 @@ def multi_token_discrepancy(lm: CausalLM, prompt: str, k: int) -> float:
     return float((multi - single).abs().max())
 
 
-PRECISIONS = {"fp32": None, "nf4": "bitsandbytes-nf4", "int8": "bitsandbytes"}
+PRECISIONS = {"fp32": None, "nf4": "bitsandbytes-nf4", "nf4-int8x": "bitsandbytes-nf4", "int8": "bitsandbytes"}
+RUNNER_CONFIGS = {"nf4-int8x": FastRunnerConfig(four_bit_activations="int8")}
 
 
 class Pair:
@@ -70,8 +73,9 @@ class Pair:
         self.model_path, self.name = model_path, name
         self.model = model = load_model(model_path, LoadConfig(quantize=PRECISIONS[name]))
         self.policy = policy = write_policy(model, tmp / "policy.json", SIX_LAYERS)
-        self.off = make_lm(model_path, model, "off", None)
-        self.verified = make_lm(model_path, model, "verified", policy)
+        config = RUNNER_CONFIGS.get(name)
+        self.off = make_lm(model_path, model, "off", None, config)
+        self.verified = make_lm(model_path, model, "verified", policy, config)
         self.verified.auto_off = False
         self.prompts = {i: chat_text(self.off.tokenizer, p) for i, (_, p) in enumerate(ALL) if i % every == 0}
         self.expected = {i: run(self.off, [make_request(i, p, NEW_TOKENS)])[0][i] for i, p in self.prompts.items()}
@@ -134,8 +138,9 @@ def test_greedy_verified_alone_equals_off(pair: Pair) -> None:
 def test_greedy_verified_in_a_mixed_batch_equals_off(pair: Pair) -> None:
     """Verified rows beside `off` and `shadow` ones give what the same batch gives in mode `off`.
     (Left-padded beside longer prompts, a prompt's prefill attention runs over more columns on
-    torch's SDPA and differs from its prefill alone by ~1e-5 in float32; LLM.int8() rounds x to
-    integers, so there such differences can move a token: int8 is compared with the batch only.)"""
+    torch's SDPA and differs from its prefill alone by ~1e-5 in float32; LLM.int8() and int8
+    activations round x to integers, so there such differences can move a token: int8 and
+    nf4-int8x are compared with the batch only.)"""
     requests = []
     for i, prompt in pair.prompts.items():
         r = make_request(i, prompt, NEW_TOKENS)
@@ -143,8 +148,21 @@ def test_greedy_verified_in_a_mixed_batch_equals_off(pair: Pair) -> None:
         requests.append(r)
     tokens, _, _, _ = run(pair.verified, requests)
     pair.check(tokens, run(pair.off, requests)[0])
-    if pair.name != "int8":
+    if pair.name not in ("int8", "nf4-int8x"):
         pair.check(tokens)
+
+
+def test_int8_activations_serve_other_logits_close_to_bitsandbytes_numerics(pairs: Callable[[str], Pair]) -> None:
+    """nf4-int8x runs the int8-activation products: its logits are not nf4's (other numerics) but
+    stay near them (measured: at most 0.6 apart on a scale of ~20, the greedy token unchanged)."""
+    nf4, int8x = pairs("nf4"), pairs("nf4-int8x")
+    assert (nf4.off.runner.four_bit_activations, int8x.off.runner.four_bit_activations) == ("float", "int8")
+    ids = torch.tensor([nf4.off.tokenizer(nf4.prompts[0])["input_ids"]])
+    logits = [lm.runner.forward(ForwardInputs.contiguous(ids), lm.runner.new_cache(1))[0, -1]
+              for lm in (nf4.off, int8x.off)]
+    gap = float((logits[0] - logits[1]).abs().max())
+    assert 0.0 < gap < 2.0, gap
+    assert int(logits[0].argmax()) == int(logits[1].argmax())
 
 
 def test_stop_sequence_and_length_inside_an_accepted_run(fp32: Pair) -> None:

@@ -56,6 +56,7 @@ struct Projection {
   Tensor bias32;           // the bias in fp32 for the kernels
   int64_t n = 0, k = 0, blocksize = 0;
   double threshold = 0.0;  // LLM.int8() outlier threshold (0: none)
+  bool int8_x = false;     // 4-bit: x quantized to int8 per 32 values (TGI_4BIT_ACTIVATIONS=int8)
 
   static Projection dense(const Tensor& weight, const c10::optional<Tensor>& bias) {
     TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "Projection.dense: weight must be a contiguous [n, k]");
@@ -69,7 +70,7 @@ struct Projection {
   }
 
   static Projection four_bit(const Tensor& codes, const Tensor& absmax, const Tensor& table, int64_t blocksize,
-                             int64_t n, int64_t k, const c10::optional<Tensor>& bias) {
+                             int64_t n, int64_t k, const c10::optional<Tensor>& bias, bool int8_x) {
     TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.numel() * 2 == n * k,
                 "Projection.four_bit: codes must be n * k / 2 contiguous uint8 values, got ", codes.numel(),
                 " for [", n, ", ", k, "]");
@@ -83,6 +84,7 @@ struct Projection {
                 "Projection.four_bit: table must hold 16 fp32 values");
     Projection p;
     p.kind = Kind::kFourBit;
+    p.int8_x = int8_x;
     p.weight = codes;
     p.absmax = absmax;
     p.table = table;
@@ -174,7 +176,7 @@ struct Projection {
     }
     if (kind == Kind::kFourBit) {
       const tgi::Packed4 w{ptr<uint8_t>(weight), absmax.data_ptr<float>(), table.data_ptr<float>(), blocksize};
-      tgi::linear_4bit(xf, w, bp, yf, m, k, n, bf16);
+      tgi::linear_4bit(xf, w, bp, yf, m, k, n, bf16, int8_x);
     } else if (kind == Kind::kInt8Weights) {
       tgi::linear_int8_weights(xf, ptr<int8_t>(weight), scales.data_ptr<float>(), blocksize, bp, yf, m, k, n);
     } else {
@@ -497,7 +499,9 @@ void tgi_define_module(pybind11::module_& module) {
   // module_local: each variant's module registers its own Projection type (tests load several).
   py::class_<Projection>(module, "Projection", py::module_local(), "a weight in one of the kernels' formats")
       .def_static("dense", &Projection::dense, "fp32/bf16 weight [n, k]")
-      .def_static("four_bit", &Projection::four_bit, "bitsandbytes 4-bit codes, absmax, table, blocksize, n, k")
+      .def_static("four_bit", &Projection::four_bit, "bitsandbytes 4-bit codes, absmax, table, blocksize, n, k, bias",
+                  py::arg("codes"), py::arg("absmax"), py::arg("table"), py::arg("blocksize"), py::arg("n"),
+                  py::arg("k"), py::arg("bias"), py::arg("int8_x") = false)
       .def_static("int8", &Projection::int8, "bitsandbytes LLM.int8(): CB, SCB, bias, threshold")
       .def_static("int8_weights", &Projection::int8_weights,
                   "weight-only int8 in blocks: codes, scales, blocksize, bias")

@@ -79,6 +79,10 @@ class FastRunnerConfig:
             TGI_DRAFT_WEIGHTS (default int8).
             Verification always reads the model's own weights, so the tokens do not change, only
             how many drafts are accepted.
+        four_bit_activations: how bitsandbytes 4-bit weights multiply on the kernels: "float"
+            (bitsandbytes' numerics) or "int8" (activations quantized to int8 per 32 values, the
+            code table to int8, integer dot products: quantized.cpp); None takes
+            TGI_4BIT_ACTIVATIONS (default float).
         release_model: free each bitsandbytes layer's codes in the model once the kernels have
             their own layout of them, so that the two never exist whole at once (1.5B nf4: 703
             MiB); the model's decoder layers cannot run afterwards (for a server that drops it).
@@ -90,6 +94,7 @@ class FastRunnerConfig:
     kernel_switch: str | None = None
     int8_head: bool | None = None
     draft_weights: str | None = None
+    four_bit_activations: str | None = None
     release_model: bool = False
 
     def __post_init__(self) -> None:
@@ -97,6 +102,8 @@ class FastRunnerConfig:
             raise ValueError(f"fast runner dtype {self.dtype} is not supported; use float32 or bfloat16")
         if self.draft_weights not in (None, "int8", "model"):
             raise ValueError(f"draft_weights {self.draft_weights!r} is not one of int8, model")
+        if self.four_bit_activations not in (None, "float", "int8"):
+            raise ValueError(f"four_bit_activations {self.four_bit_activations!r} is not one of float, int8")
 
 
 @dataclass(frozen=True)
@@ -271,10 +278,16 @@ class FastLlamaRunner(Runner):
         kind = weight_kind(self.layers[0], self.dtype)
         ops = cpu_kernels.load(config.kernel_switch, kind) if use_kernels else None
         self.cpu_kernels = ops.variant if ops is not None else "none"
+        activations = config.four_bit_activations or process_env().kernels.four_bit_activations
+        self.four_bit_activations = activations if kind.startswith("4bit") and ops is not None else None
         if ops is not None:
             refusals: dict[str, str] = {}
-            self.layers = [kernel_layer(lw, ops, self.dtype, refusals, config.release_model) for lw in self.layers]
+            self.layers = [kernel_layer(lw, ops, self.dtype, refusals, config.release_model, activations == "int8")
+                           for lw in self.layers]
             log_refusals(self.name, refusals)
+        if self.four_bit_activations == "int8":
+            logger.info(f"{self.name}: 4-bit products quantize activations to int8 per 32 values "
+                        "(TGI_4BIT_ACTIVATIONS=int8: llama.cpp's numerics, not bitsandbytes')")
         self.dims = Dims(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
                          self.spec.rms_norm_eps, self.spec.activation == "gelu_tanh", ops,
                          bf16_gemm=bool(cpu_kernels.cpu_flags() & {"avx512_bf16", "amx_bf16"}))

@@ -25,7 +25,9 @@ class ProjectionFactory(Protocol):
     def dense(self, weight: torch.Tensor, bias: torch.Tensor | None, /) -> Projection: ...
 
     def four_bit(self, codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, blocksize: int, n: int, k: int,
-                 bias: torch.Tensor | None, /) -> Projection: ...
+                 bias: torch.Tensor | None, /, int8_x: bool = False) -> Projection:
+        """bitsandbytes' 4-bit layout; int8_x: x quantized to int8 per 32 values and multiplied in
+        integers (TGI_4BIT_ACTIVATIONS=int8) instead of bitsandbytes' fp32 products."""
 
     def int8(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, threshold: float,
              /) -> Projection: ...

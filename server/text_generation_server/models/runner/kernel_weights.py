@@ -65,7 +65,7 @@ def _four_bit_parts(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return codes, absmax.float().contiguous(), table.float().contiguous(), int(state.blocksize), n, k
 
 
-def _four_bit(ops: CpuOps, modules: tuple[Any, ...], dtype: torch.dtype) -> Projection | str:
+def _four_bit(ops: CpuOps, modules: tuple[Any, ...], dtype: torch.dtype, int8_x: bool) -> Projection | str:
     parts = [_four_bit_parts(m, dtype) for m in modules]
     reasons = [p for p in parts if isinstance(p, str)]
     if reasons:
@@ -75,7 +75,7 @@ def _four_bit(ops: CpuOps, modules: tuple[Any, ...], dtype: torch.dtype) -> Proj
     if len(set(blocksizes)) > 1 or len(set(ks)) > 1 or any(not torch.equal(t, tables[0]) for t in tables):
         return "its parts differ in blocksize, k or code table"
     return ops.Projection.four_bit(torch.cat(codes), torch.cat(absmax), tables[0], blocksizes[0], sum(rows), ks[0],
-                                   _bias(modules, list(rows), dtype))
+                                   _bias(modules, list(rows), dtype), int8_x=int8_x)
 
 
 def _int8(ops: CpuOps, modules: tuple[Any, ...], dtype: torch.dtype) -> Projection | str:
@@ -109,13 +109,14 @@ def weight_kind(layer: LayerWeights, dtype: torch.dtype) -> str:
 
 
 def to_projection(ops: CpuOps, weight: Any, bias: torch.Tensor | None, dtype: torch.dtype,
-                  refusals: dict[str, str]) -> Any:
-    """The kernels' Projection for one fast_weights projection, or it unchanged (reason recorded)."""
+                  refusals: dict[str, str], int8_x: bool = False) -> Any:
+    """The kernels' Projection for one fast_weights projection, or it unchanged (reason recorded);
+    int8_x: 4-bit weights multiply int8-quantized activations (TGI_4BIT_ACTIVATIONS=int8)."""
     if isinstance(weight, torch.Tensor):
         return ops.Projection.dense(weight, bias)
     kind = {type(m).__name__ for m in weight}
     if kind == {BNB_4BIT}:
-        result = _four_bit(ops, weight, dtype)
+        result = _four_bit(ops, weight, dtype, int8_x)
     elif kind == {BNB_8BIT}:
         result = _int8(ops, weight, dtype)
     else:
@@ -137,14 +138,15 @@ def _release(modules: tuple[Any, ...]) -> None:
 
 
 def kernel_layer(layer: LayerWeights, ops: CpuOps, dtype: torch.dtype, refusals: dict[str, str],
-                 release: bool = False) -> LayerWeights:
+                 release: bool = False, int8_x: bool = False) -> LayerWeights:
     """The layer with each (projection, bias) pair of pre/post as one kernels' Projection (bias None);
-    with `release`, the bitsandbytes modules' codes that the kernels laid out anew are freed."""
+    with `release`, the bitsandbytes modules' codes that the kernels laid out anew are freed;
+    int8_x: as to_projection's."""
     norm, qkv, qkv_bias, q_norm, k_norm = layer.pre
     o_proj, o_bias, attn_out_norm, mlp_in_norm, gate_up, gate_up_bias, down, down_bias, mlp_out_norm = layer.post
 
     def convert(weight: Any, bias: Any) -> tuple[Any, Any]:
-        converted = to_projection(ops, weight, bias, dtype, refusals)
+        converted = to_projection(ops, weight, bias, dtype, refusals, int8_x)
         if release and converted is not weight and not isinstance(weight, torch.Tensor):
             _release(weight)
         return converted, (bias if converted is weight else None)

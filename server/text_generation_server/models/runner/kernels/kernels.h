@@ -33,8 +33,9 @@ struct Packed4 {
   int64_t blocksize;   // a power of two >= 2 * kLanes (checked by the caller)
 };
 // round_bf16: round each dequantized weight to bf16 first (bnb dequantizes to the compute dtype).
+// int8_x: x quantized to int8 per 32 values and integer dot products instead (quantized.cpp, q8).
 void linear_4bit(const float* x, const Packed4& w, const float* bias, float* y, int64_t m, int64_t k, int64_t n,
-                 bool round_bf16);
+                 bool round_bf16, bool int8_x);
 
 // LLM.int8() as bitsandbytes computes it on the CPU (quantized.cpp has the exact recipe).
 struct Int8Weight {

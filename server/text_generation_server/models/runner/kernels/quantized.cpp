@@ -416,6 +416,167 @@ void four_bit(const FourBit& w, const Prepared<X>& x, int64_t m, const float* bi
   });
 }
 
+// ---- 4-bit with int8 activations (TGI_4BIT_ACTIVATIONS=int8) ----------------------------------
+// As llama.cpp multiplies its 4-bit blocks: each 32 values of an x row quantized to int8 (scale
+// max|x| / 127, rounded to nearest even), the 16 table values as int8 (round(t * 127 / max|t|)),
+// and each chunk's 32 products summed exactly in int32 (maddubs on |t| and x with t's sign), then
+// converted once and scaled by the chunk's x scale; an absmax block's sum is scaled once, at its
+// end. Integer chunk sums are exact, and every (weight row, x row) pair runs the same float steps
+// in the same order whatever the tile: a row's result never depends on the rows beside it.
+// Other numerics than bitsandbytes' (README: the guarantee paragraph); 256-bit code in every
+// variant.
+namespace q8 {
+
+constexpr int64_t kChunk = 32;
+constexpr int kTile = 2;  // x rows per tile against pairs of weight rows (two sums per pair)
+
+// The chunk's 32 nibbles as byte indices: lane 0 the high nibbles (elements 0, 2, .., 30), lane 1
+// the low ones (elements 1, 3, .., 31); x is quantized in that order. The 16 bytes are loaded into
+// both lanes, lane 0 shifted right by 4: no lane-crossing shuffle.
+inline __m256i indices(const uint8_t* codes) {
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(15));
+}
+
+struct Table {
+  __m256i values;  // the 16 values as int8 in each lane
+  float scale;     // max|t| / 127: t ~ int8 * scale
+  explicit Table(const float* table) {
+    float top = 0.0f;
+    for (int e = 0; e < 16; ++e) top = std::max(top, std::fabs(table[e]));
+    scale = top / 127.0f;
+    alignas(16) int8_t t[16];
+    for (int e = 0; e < 16; ++e) t[e] = static_cast<int8_t>(top > 0.0f ? std::nearbyint(table[e] * (127.0f / top)) : 0.0f);
+    values = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+  }
+};
+
+struct X {
+  int64_t k;
+  simd::Buffer<int8_t> values;       // [m, k], each chunk in source() order
+  simd::Buffer<uint8_t> magnitudes;  // |values| (their signs move onto the weights)
+  std::vector<float> scales;         // [m, k / 32]
+};
+
+X quantize(const float* x, int64_t m, int64_t k) {
+  X q{k, simd::Buffer<int8_t>(m * k), simd::Buffer<uint8_t>(m * k), std::vector<float>(m * k / kChunk)};
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  // even bytes, then odd ones, in each lane; then the lanes' even halves first
+  const __m256i deinterleave = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+  at::parallel_for(0, m * k / kChunk, std::max<int64_t>(1, 4096 / kChunk), [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      __m256 v[4];
+      __m256 top = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(x + c * kChunk + 8 * i);
+        top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
+      }
+      __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+      t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+      const float most = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+      q.scales[c] = most / 127.0f;
+      const __m256 factor = _mm256_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
+      __m256i words[4];
+      for (int i = 0; i < 4; ++i) words[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], factor));
+      // packs interleave the 128-bit lanes: the permute puts the 32 bytes back in order
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(words[0], words[1]), _mm256_packs_epi32(words[2], words[3])),
+          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      const __m256i ordered = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, deinterleave), 0xD8);  // source()
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.values.data() + c * kChunk), ordered);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.magnitudes.data() + c * kChunk), _mm256_abs_epi8(ordered));
+    }
+  });
+  return q;
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Weight rows row .. row + R against x rows j0 .. j0 + MT, one absmax block (or the part of it in
+// this row) after the other: a block's sums are scaled once, at its end. R > 1 only where k is a
+// multiple of the blocksize (the rows' blocks then start at the same columns).
+template <int R, int MT>
+void tile(const Packed4& w, const Table& table, const X& x, int64_t k, int64_t j0, int64_t row, const float* bias,
+          float* y, int64_t n) {
+  __m256 acc[R][MT], part[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < MT; ++j) acc[r][j] = part[r][j] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* codes[R];
+  for (int r = 0; r < R; ++r) codes[r] = w.codes + (row + r) * k / 2;
+  const int8_t* signs[MT];
+  const uint8_t* magnitudes[MT];
+  const float* scales[MT];  // one per chunk
+  for (int j = 0; j < MT; ++j) {
+    signs[j] = x.values.data() + (j0 + j) * k;
+    magnitudes[j] = x.magnitudes.data() + (j0 + j) * k;
+    scales[j] = x.scales.data() + (j0 + j) * k / kChunk;
+  }
+  const int shift = __builtin_ctzll(w.blocksize);
+  for (int64_t c = 0; c < k;) {
+    const int64_t at = row * k + c;
+    const int64_t end = std::min(k, c + w.blocksize - (at & (w.blocksize - 1)));
+    for (; c < end; c += kChunk) {
+      for (int r = 0; r < R; ++r) {
+        if ((c & 127) == 0 && j0 == 0) simd::prefetch_ahead(codes[r] + c / 2);
+        const __m256i values = _mm256_shuffle_epi8(table.values, indices(codes[r] + c / 2));
+        for (int j = 0; j < MT; ++j) {
+          const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(signs[j] + c));
+          const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(magnitudes[j] + c));
+          const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(values, s)), ones);
+          part[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(scales[j] + c / kChunk), part[r][j]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_set1_ps(w.absmax[((row + r) * k + c - 1) >> shift]);
+      for (int j = 0; j < MT; ++j) {
+        acc[r][j] = _mm256_fmadd_ps(part[r][j], scale, acc[r][j]);
+        part[r][j] = _mm256_setzero_ps();
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < MT; ++j) {
+      float value = hsum(acc[r][j]) * table.scale;
+      if (bias) value += bias[row + r];
+      y[(j0 + j) * n + row + r] = value;
+    }
+}
+
+// Weight rows row .. row + R against every x row, in tiles of up to kTile x rows.
+template <int R>
+void rows(const Packed4& w, const Table& table, const X& x, int64_t m, int64_t k, int64_t row, const float* bias,
+          float* y, int64_t n) {
+  blocks::for_tiles<kTile>(m, [&](auto size, int64_t j0) {
+    tile<R, decltype(size)::value>(w, table, x, k, j0, row, bias, y, n);
+  });
+}
+
+void product(const float* xf, const Packed4& w, const float* bias, float* y, int64_t m, int64_t k, int64_t n) {
+  const Table table(w.table);
+  const X x = quantize(xf, m, k);
+  // Several weight rows at a time (independent sums in flight) where their blocks line up: 4 for
+  // one x row, pairs for tiles of 2.
+  const bool aligned = k % w.blocksize == 0;
+  const int64_t grain = std::max<int64_t>(1, 16384 / k);
+  at::parallel_for(0, (n + 3) / 4, grain, [&](int64_t b0, int64_t b1) {
+    const int64_t end = std::min(n, b1 * 4);
+    int64_t row = b0 * 4;
+    if (aligned && m == 1)
+      for (; row + 4 <= end; row += 4) tile<4, 1>(w, table, x, k, 0, row, bias, y, n);
+    if (aligned)
+      for (; row + 2 <= end; row += 2) rows<2>(w, table, x, m, k, row, bias, y, n);
+    for (; row < end; ++row) rows<1>(w, table, x, m, k, row, bias, y, n);
+  });
+}
+
+}  // namespace q8
+
 // ---- LLM.int8() -------------------------------------------------------------------------------
 constexpr int64_t kBytes = static_cast<int64_t>(sizeof(I));  // int8 values per chunk
 
@@ -637,7 +798,11 @@ void int8_sums(const Int8Weight& w, int64_t k, const QuantizedX& q, int64_t j0, 
 }  // namespace
 
 void linear_4bit(const float* x, const Packed4& w, const float* bias, float* y, int64_t m, int64_t k, int64_t n,
-                 bool round_bf16) {
+                 bool round_bf16, bool int8_x) {
+  if (int8_x) {
+    q8::product(x, w, bias, y, m, k, n);
+    return;
+  }
   const FourBit weights{w, Decoder(w.table), __builtin_ctzll(w.blocksize), k};
   const Prepared<float> prepared = prepare_4bit(x, m, k);
   if (!round_bf16) {
