@@ -7,7 +7,7 @@ layers, 358M weights), 1 and 8 activation rows (or `--rows`), 2 threads. Contest
 - int8: our LLM.int8() kernel vs `bnb.matmul` (what Linear8bitLt runs; the same numerics) vs
   torch's weight-only `_weight_int8pack_mm` (other numerics: no activation quantization);
 - 4-bit: our nf4 kernel vs bitsandbytes' CPU path (dequantize the weight, then F.linear; the same
-  numerics) vs our kernel with int8 activations ("kernel int8-x", TGI_4BIT_ACTIVATIONS=int8: other
+  numerics) vs our kernel with int8 activations ("kernel int8-x", TGI_QUANTIZED_ACTIVATIONS=int8: other
   numerics) vs torch's `_weight_int4pack_mm_for_cpu` (asymmetric int4 with zero points in groups
   of 64: it cannot hold nf4's table, so it is a speed reference only);
 - 4-bit with a bf16 compute dtype ("nf4-bf16"): our kernel (bf16 dot products on the

@@ -1,7 +1,7 @@
 """The kernels' bitsandbytes products against bitsandbytes itself and float64 references.
 
 Once per ISA variant the CPU can run (test_cpu_kernels' `ops` fixture). Tolerances:
-- 4-bit with int8 activations (TGI_4BIT_ACTIVATIONS=int8): against its own definition in float64
+- 4-bit with int8 activations (TGI_QUANTIZED_ACTIVATIONS=int8): against its own definition in float64
   (x rounded to int8 per 32 values, the table to int8, the integer sums exact): within 1e-6
   relative (measured 6e-8..1.2e-7: fp32 scaling of exact chunk sums).
 - 4-bit (nf4, fp4), fp32 activations: bitsandbytes' own path is dequantize (fp32, exact values)
@@ -101,13 +101,18 @@ def test_four_bit_with_int8_activations_follows_its_definition(ops, quant_type: 
     for rows in ROWS:
         x = torch.randn(rows, k, generator=generator) * 3
         x[0, :32] = 0.0  # a chunk of zeros: scale 0
-        chunks = x.view(rows, k // 32, 32)
-        most = chunks.abs().amax(-1, keepdim=True)
-        values = torch.round(chunks * torch.where(most > 0, 127.0 / most, torch.zeros_like(most)))
-        x_int8 = (values.double() * (most / 127.0).double()).view(rows, k)
-        expected = x_int8 @ weights.T + bias.double()
-        error = _relative(projection(x), expected)
+        error = _relative(projection(x), _int8_rows(x) @ weights.T + bias.double())
         assert error <= 1e-6, f"{quant_type} [{n}, {k}] blocksize {blocksize}, {rows} rows: error {error}"
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8-activation products read it, in float64: each 32 values as
+    round(x * 127 / max|x|) * max|x| / 127 (0 where the 32 are all 0)."""
+    chunks = x.view(x.shape[0], -1, 32)
+    most = chunks.abs().amax(-1, keepdim=True)
+    factor = torch.full_like(most, 127.0) / most  # one fp32 division (`127.0 / most` is 127 * (1 / most))
+    values = torch.round(chunks * torch.where(most > 0, factor, torch.zeros_like(most)))
+    return (values.double() * (most / 127.0).double()).view(x.shape)
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
@@ -244,17 +249,25 @@ def test_refusals_name_the_bad_argument(ops) -> None:  # noqa: F811
 
 @pytest.mark.parametrize(("n", "k", "blocksize"), [(1, 32, 32), (5, 128, 64), (129, 576, 64), (3, 256, 256)])
 def test_int8_weights_equal_the_dequantized_product(ops, n: int, k: int, blocksize: int) -> None:  # noqa: F811
-    """Weight-only int8 in blocks (the int8 lm_head): x stays fp32, w = code * scale[block]."""
+    """Weight-only int8 in blocks (the int8 lm_head): x stays fp32, w = code * scale[block]; with
+    int8_x, x as int8 per 32 values (test_four_bit_with_int8_activations_follows_its_definition),
+    and each row's product still its product alone."""
     generator = torch.Generator().manual_seed(n * 7 + k)
     blocks = torch.randn(n, k // blocksize, blocksize, generator=generator)
     scales = blocks.abs().amax(-1, keepdim=True) / 127
     codes = torch.round(blocks / scales).to(torch.int8).view(n, k)
     bias = torch.randn(n, generator=generator)
     projection = ops.Projection.int8_weights(codes, scales.reshape(-1).contiguous(), blocksize, bias)
+    quantized_x = ops.Projection.int8_weights(codes, scales.reshape(-1).contiguous(), blocksize, bias, int8_x=True)
     dense = (codes.double().view(n, -1, blocksize) * scales.double()).view(n, k)
     for rows in ROWS:
         x = torch.randn(rows, k, generator=generator)
         error = _relative(projection(x), x.double() @ dense.T + bias.double())
         assert error <= 1e-5, f"int8 weights [{n}, {k}] blocksize {blocksize}, {rows} rows: error {error}"
+        out = quantized_x(x)
+        error = _relative(out, _int8_rows(x) @ dense.T + bias.double())
+        assert error <= 1e-6, f"int8 weights, int8 x [{n}, {k}] blocksize {blocksize}, {rows} rows: error {error}"
+        if rows <= cpu_kernels.MAX_ROWS:
+            assert torch.equal(out, _row_by_row(quantized_x, x)), f"int8 weights, int8 x: {rows} rows"
     with pytest.raises(RuntimeError, match="blocksize 48 must be a power of two >= 32 dividing k = 96"):
         ops.Projection.int8_weights(torch.zeros(2, 96, dtype=torch.int8), torch.ones(4), 48, None)

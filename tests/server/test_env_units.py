@@ -27,10 +27,10 @@ def test_kernel_and_policy_variables_and_their_defaults() -> None:
     assert KernelEnv.read({"TGI_DRAFT_WEIGHTS": "MODEL"}).draft_weights == "model"
     with pytest.raises(ValueError, match="TGI_DRAFT_WEIGHTS='fp8' is not one of int8, model"):
         KernelEnv.read({"TGI_DRAFT_WEIGHTS": "fp8"})
-    assert KernelEnv.read({}).four_bit_activations == "float"
-    assert KernelEnv.read({"TGI_4BIT_ACTIVATIONS": "INT8"}).four_bit_activations == "int8"
-    with pytest.raises(ValueError, match="TGI_4BIT_ACTIVATIONS='int4' is not one of float, int8"):
-        KernelEnv.read({"TGI_4BIT_ACTIVATIONS": "int4"})
+    assert KernelEnv.read({}).quantized_activations == "float"
+    assert KernelEnv.read({"TGI_QUANTIZED_ACTIVATIONS": "INT8"}).quantized_activations == "int8"
+    with pytest.raises(ValueError, match="TGI_QUANTIZED_ACTIVATIONS='int4' is not one of float, int8"):
+        KernelEnv.read({"TGI_QUANTIZED_ACTIVATIONS": "int4"})
     assert ProcessEnv.read({}).policy_dir is None
     assert ProcessEnv.read({"TGI_POLICY_DIR": ""}).policy_dir is None
     assert ProcessEnv.read({"TGI_POLICY_DIR": "/p"}).policy_dir == Path("/p")

@@ -3,7 +3,7 @@
 Drafting is forced on for the whole run (`auto_off = False`), so every step is a real
 draft-verify cycle; the policy drafts with 6 of 30 layers bypassed. float32 checks all 30
 prompts of `prompt_sets.ALL`, bitsandbytes nf4 (with bitsandbytes' numerics, and with int8
-activations: TGI_4BIT_ACTIVATIONS=int8) and int8 every other one (all 30 with
+activations: TGI_QUANTIZED_ACTIVATIONS=int8) and int8 every other one (all 30 with
 TGI_FULL_EXACTNESS=1); all must match exactly. A divergence is printed with its position and
 the full model's top-2 logit margin there.
 """
@@ -63,7 +63,7 @@ def multi_token_discrepancy(lm: CausalLM, prompt: str, k: int) -> float:
 
 
 PRECISIONS = {"fp32": None, "nf4": "bitsandbytes-nf4", "nf4-int8x": "bitsandbytes-nf4", "int8": "bitsandbytes"}
-RUNNER_CONFIGS = {"nf4-int8x": FastRunnerConfig(four_bit_activations="int8")}
+RUNNER_CONFIGS = {"nf4-int8x": FastRunnerConfig(quantized_activations="int8")}
 
 
 class Pair:
@@ -156,7 +156,7 @@ def test_int8_activations_serve_other_logits_close_to_bitsandbytes_numerics(pair
     """nf4-int8x runs the int8-activation products: its logits are not nf4's (other numerics) but
     stay near them (measured: at most 0.6 apart on a scale of ~20, the greedy token unchanged)."""
     nf4, int8x = pairs("nf4"), pairs("nf4-int8x")
-    assert (nf4.off.runner.four_bit_activations, int8x.off.runner.four_bit_activations) == ("float", "int8")
+    assert (nf4.off.runner.quantized_activations, int8x.off.runner.quantized_activations) == ("float", "int8")
     ids = torch.tensor([nf4.off.tokenizer(nf4.prompts[0])["input_ids"]])
     logits = [lm.runner.forward(ForwardInputs.contiguous(ids), lm.runner.new_cache(1))[0, -1]
               for lm in (nf4.off, int8x.off)]

@@ -56,7 +56,7 @@ struct Projection {
   Tensor bias32;           // the bias in fp32 for the kernels
   int64_t n = 0, k = 0, blocksize = 0;
   double threshold = 0.0;  // LLM.int8() outlier threshold (0: none)
-  bool int8_x = false;     // 4-bit: x quantized to int8 per 32 values (TGI_4BIT_ACTIVATIONS=int8)
+  bool int8_x = false;     // 4-bit, int8 blocks: x quantized to int8 per 32 values (TGI_QUANTIZED_ACTIVATIONS=int8)
 
   static Projection dense(const Tensor& weight, const c10::optional<Tensor>& bias) {
     TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "Projection.dense: weight must be a contiguous [n, k]");
@@ -113,9 +113,10 @@ struct Projection {
     return p;
   }
 
-  // Weight-only int8 in blocks of `blocksize` along k: w = codes * scales[block] (x is not quantized).
+  // Weight-only int8 in blocks of `blocksize` along k: w = codes * scales[block] (x is not quantized,
+  // unless int8_x).
   static Projection int8_weights(const Tensor& codes, const Tensor& scales, int64_t blocksize,
-                                 const c10::optional<Tensor>& bias) {
+                                 const c10::optional<Tensor>& bias, bool int8_x) {
     TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.dim() == 2 && codes.is_contiguous(),
                 "Projection.int8_weights: codes must be a contiguous int8 [n, k]");
     TORCH_CHECK(blocksize >= 32 && (blocksize & (blocksize - 1)) == 0 && codes.size(1) % blocksize == 0,
@@ -126,6 +127,7 @@ struct Projection {
                 "Projection.int8_weights: scales must hold one fp32 value per block of ", blocksize);
     Projection p;
     p.kind = Kind::kInt8Weights;
+    p.int8_x = int8_x;
     p.weight = codes;
     p.scales = scales;
     p.blocksize = blocksize;
@@ -178,7 +180,9 @@ struct Projection {
       const tgi::Packed4 w{ptr<uint8_t>(weight), absmax.data_ptr<float>(), table.data_ptr<float>(), blocksize};
       tgi::linear_4bit(xf, w, bp, yf, m, k, n, bf16, int8_x);
     } else if (kind == Kind::kInt8Weights) {
-      tgi::linear_int8_weights(xf, ptr<int8_t>(weight), scales.data_ptr<float>(), blocksize, bp, yf, m, k, n);
+      (int8_x ? tgi::linear_int8_weights_int8_x : tgi::linear_int8_weights)(xf, ptr<int8_t>(weight),
+                                                                             scales.data_ptr<float>(), blocksize, bp,
+                                                                             yf, m, k, n);
     } else {
       const tgi::Int8Weight w{ptr<int8_t>(weight), scales.data_ptr<float>(), row_sums.data_ptr<int32_t>()};
       tgi::linear_int8(xf, w, bp, yf, m, k, n, static_cast<float>(threshold), bf16);
@@ -504,7 +508,8 @@ void tgi_define_module(pybind11::module_& module) {
                   py::arg("k"), py::arg("bias"), py::arg("int8_x") = false)
       .def_static("int8", &Projection::int8, "bitsandbytes LLM.int8(): CB, SCB, bias, threshold")
       .def_static("int8_weights", &Projection::int8_weights,
-                  "weight-only int8 in blocks: codes, scales, blocksize, bias")
+                  "weight-only int8 in blocks: codes, scales, blocksize, bias", py::arg("codes"), py::arg("scales"),
+                  py::arg("blocksize"), py::arg("bias"), py::arg("int8_x") = false)
       .def("__call__", &Projection::operator(), "x [m, k] -> [m, n]", py::arg("x"), py::arg("exact") = false)
       .def_readonly("n", &Projection::n)
       .def_readonly("k", &Projection::k)

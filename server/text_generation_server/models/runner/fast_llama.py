@@ -79,10 +79,10 @@ class FastRunnerConfig:
             TGI_DRAFT_WEIGHTS (default int8).
             Verification always reads the model's own weights, so the tokens do not change, only
             how many drafts are accepted.
-        four_bit_activations: how bitsandbytes 4-bit weights multiply on the kernels: "float"
-            (bitsandbytes' numerics) or "int8" (activations quantized to int8 per 32 values, the
-            code table to int8, integer dot products: quantized.cpp); None takes
-            TGI_4BIT_ACTIVATIONS (default float).
+        quantized_activations: how a bitsandbytes 4-bit model's products run on the kernels:
+            "float" (bitsandbytes' numerics) or "int8" (activations quantized to int8 per 32
+            values, the code table to int8, integer dot products, the int8 lm_head's too:
+            quantized.cpp); None takes TGI_QUANTIZED_ACTIVATIONS (default float).
         release_model: free each bitsandbytes layer's codes in the model once the kernels have
             their own layout of them, so that the two never exist whole at once (1.5B nf4: 703
             MiB); the model's decoder layers cannot run afterwards (for a server that drops it).
@@ -94,7 +94,7 @@ class FastRunnerConfig:
     kernel_switch: str | None = None
     int8_head: bool | None = None
     draft_weights: str | None = None
-    four_bit_activations: str | None = None
+    quantized_activations: str | None = None
     release_model: bool = False
 
     def __post_init__(self) -> None:
@@ -102,8 +102,8 @@ class FastRunnerConfig:
             raise ValueError(f"fast runner dtype {self.dtype} is not supported; use float32 or bfloat16")
         if self.draft_weights not in (None, "int8", "model"):
             raise ValueError(f"draft_weights {self.draft_weights!r} is not one of int8, model")
-        if self.four_bit_activations not in (None, "float", "int8"):
-            raise ValueError(f"four_bit_activations {self.four_bit_activations!r} is not one of float, int8")
+        if self.quantized_activations not in (None, "float", "int8"):
+            raise ValueError(f"quantized_activations {self.quantized_activations!r} is not one of float, int8")
 
 
 @dataclass(frozen=True)
@@ -278,16 +278,16 @@ class FastLlamaRunner(Runner):
         kind = weight_kind(self.layers[0], self.dtype)
         ops = cpu_kernels.load(config.kernel_switch, kind) if use_kernels else None
         self.cpu_kernels = ops.variant if ops is not None else "none"
-        activations = config.four_bit_activations or process_env().kernels.four_bit_activations
-        self.four_bit_activations = activations if kind.startswith("4bit") and ops is not None else None
+        activations = config.quantized_activations or process_env().kernels.quantized_activations
+        self.quantized_activations = activations if kind.startswith("4bit") and ops is not None else None
         if ops is not None:
             refusals: dict[str, str] = {}
             self.layers = [kernel_layer(lw, ops, self.dtype, refusals, config.release_model, activations == "int8")
                            for lw in self.layers]
             log_refusals(self.name, refusals)
-        if self.four_bit_activations == "int8":
-            logger.info(f"{self.name}: 4-bit products quantize activations to int8 per 32 values "
-                        "(TGI_4BIT_ACTIVATIONS=int8: llama.cpp's numerics, not bitsandbytes')")
+        if self.quantized_activations == "int8":
+            logger.info(f"{self.name}: 4-bit and int8 lm_head products quantize activations to int8 per 32 "
+                        "values (TGI_QUANTIZED_ACTIVATIONS=int8: llama.cpp's numerics, not bitsandbytes')")
         self.dims = Dims(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
                          self.spec.rms_norm_eps, self.spec.activation == "gelu_tanh", ops,
                          bf16_gemm=bool(cpu_kernels.cpu_flags() & {"avx512_bf16", "amx_bf16"}))
@@ -314,7 +314,8 @@ class FastLlamaRunner(Runner):
         head = model.lm_head.weight.detach().to(self.dtype) if head_source is None else head_source
         quantized = kind in ("4bit", "4bit-bfloat16", "int8") and process_env().kernels.quantized_head == "int8"
         wants_int8 = config.int8_head if config.int8_head is not None else quantized
-        self.int8_lm_head = int8_head(ops, head) if ops is not None and wants_int8 else None
+        self.int8_lm_head = (int8_head(ops, head, self.quantized_activations == "int8")
+                             if ops is not None and wants_int8 else None)
         self.head_projection = self.int8_lm_head[:] if self.int8_lm_head is not None else None
         # tied: the same tensor as embed; None where it is read as int8 (one copy of the head)
         self.lm_head: torch.Tensor | None = None
@@ -503,6 +504,7 @@ class Int8Head:
     ops: CpuOps
     codes: torch.Tensor  # [rows, hidden] int8
     scales: torch.Tensor  # [rows, hidden // INT8_HEAD_BLOCK] float32
+    int8_x: bool = False  # x quantized to int8 per 32 values (TGI_QUANTIZED_ACTIVATIONS=int8)
 
     @property
     def shape(self) -> torch.Size:
@@ -510,15 +512,16 @@ class Int8Head:
 
     def take(self, ids: torch.Tensor) -> Int8Head:
         """Rows `ids`, in that order (a reduced draft head: the served head's own numbers)."""
-        return Int8Head(self.ops, self.codes.index_select(0, ids), self.scales.index_select(0, ids))
+        return Int8Head(self.ops, self.codes.index_select(0, ids), self.scales.index_select(0, ids), self.int8_x)
 
     def __getitem__(self, rows: slice) -> KernelProjection:
-        return self.ops.Projection.int8_weights(self.codes[rows], self.scales[rows].reshape(-1), INT8_HEAD_BLOCK, None)
+        return self.ops.Projection.int8_weights(self.codes[rows], self.scales[rows].reshape(-1), INT8_HEAD_BLOCK, None,
+                                                int8_x=self.int8_x)
 
 
-def int8_head(ops: CpuOps, weight: torch.Tensor | CheckpointTensor) -> Int8Head:
+def int8_head(ops: CpuOps, weight: torch.Tensor | CheckpointTensor, int8_x: bool = False) -> Int8Head:
     """`weight` `[vocab, hidden]` (loaded, or read from the checkpoint) as an Int8Head, quantized a
-    few MiB of rows at a time (no float32 copy of the whole head)."""
+    few MiB of rows at a time (no float32 copy of the whole head); int8_x: its products quantize x."""
     vocab, hidden = weight.shape
     codes = torch.empty((vocab, hidden), dtype=torch.int8)
     scales = torch.empty((vocab, hidden // INT8_HEAD_BLOCK), dtype=torch.float32)
@@ -528,7 +531,7 @@ def int8_head(ops: CpuOps, weight: torch.Tensor | CheckpointTensor) -> Int8Head:
         scale = (blocks.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-30)  # [rows, blocks, 1]
         codes[start:start + step] = torch.round(blocks / scale).to(torch.int8).view(-1, hidden)
         scales[start:start + step] = scale.squeeze(-1)
-    return Int8Head(ops, codes, scales)
+    return Int8Head(ops, codes, scales, int8_x)
 
 
 DRAFT_INT8_THRESHOLD = 6.0  # bitsandbytes' default llm_int8_threshold

@@ -27,13 +27,14 @@ class ProjectionFactory(Protocol):
     def four_bit(self, codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, blocksize: int, n: int, k: int,
                  bias: torch.Tensor | None, /, int8_x: bool = False) -> Projection:
         """bitsandbytes' 4-bit layout; int8_x: x quantized to int8 per 32 values and multiplied in
-        integers (TGI_4BIT_ACTIVATIONS=int8) instead of bitsandbytes' fp32 products."""
+        integers (TGI_QUANTIZED_ACTIVATIONS=int8) instead of bitsandbytes' fp32 products."""
 
     def int8(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, threshold: float,
              /) -> Projection: ...
 
     def int8_weights(self, codes: torch.Tensor, scales: torch.Tensor, blocksize: int, bias: torch.Tensor | None,
-                     /) -> Projection: ...
+                     /, int8_x: bool = False) -> Projection:
+        """Weight-only int8 in blocks; int8_x: x quantized to int8 per 32 values (as four_bit's)."""
 
 
 _Projection = Projection  # the Protocol below has a member of that name

@@ -111,7 +111,7 @@ def weight_kind(layer: LayerWeights, dtype: torch.dtype) -> str:
 def to_projection(ops: CpuOps, weight: Any, bias: torch.Tensor | None, dtype: torch.dtype,
                   refusals: dict[str, str], int8_x: bool = False) -> Any:
     """The kernels' Projection for one fast_weights projection, or it unchanged (reason recorded);
-    int8_x: 4-bit weights multiply int8-quantized activations (TGI_4BIT_ACTIVATIONS=int8)."""
+    int8_x: 4-bit weights multiply int8-quantized activations (TGI_QUANTIZED_ACTIVATIONS=int8)."""
     if isinstance(weight, torch.Tensor):
         return ops.Projection.dense(weight, bias)
     kind = {type(m).__name__ for m in weight}

@@ -22,6 +22,9 @@ void linear_bf16(const uint16_t* x, const uint16_t* w, const float* bias, uint16
 // within rows (k a multiple of blocksize, a power of two >= 32); x is not quantized.
 void linear_int8_weights(const float* x, const int8_t* w, const float* scales, int64_t blocksize, const float* bias,
                          float* y, int64_t m, int64_t k, int64_t n);
+// The same weights against x quantized to int8 per 32 values (quantized.cpp, q8).
+void linear_int8_weights_int8_x(const float* x, const int8_t* w, const float* scales, int64_t blocksize,
+                                const float* bias, float* y, int64_t m, int64_t k, int64_t n);
 
 // bitsandbytes' 4-bit layout, read as it is: element e of the flattened [n, k] weight is the
 // high nibble (e even) or low nibble (e odd) of codes[e / 2], its value is
