@@ -22,9 +22,8 @@ from typing import Any
 import httpx
 
 # memory.py puts integration-tests/ and integration-tests/router/ on sys.path (via disconnect_load).
-from memory import launcher_flags
+from memory import start_ours
 from prefix_chat import LIMITS, manual, stream_chat
-from router_launcher import start_launcher
 
 from text_generation_server.download import QWEN_CODER_05B_ID
 
@@ -55,7 +54,7 @@ async def measure(url: str) -> dict[str, Any]:
 
 def run(model: str, config: str, chunk: int) -> dict[str, Any]:
     os.environ["PREFILL_CHUNK_TOKENS"] = str(chunk)
-    launcher = start_launcher([*launcher_flags(model, config), *LIMITS], "stall")
+    launcher = start_ours(model, config, "stall", LIMITS)
     try:
         row = asyncio.run(measure(launcher.url))
     finally:

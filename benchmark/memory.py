@@ -31,7 +31,7 @@ import httpx
 
 # disconnect_load puts integration-tests/ and integration-tests/router/ on sys.path.
 from disconnect_load import child_pids
-from router_launcher import start_launcher
+from router_launcher import Launcher, start_launcher
 
 from text_generation_server.download import QWEN_CODER_05B_ID, chunked_gguf
 
@@ -54,17 +54,20 @@ def memory_mib(pid: int) -> dict[str, float]:
 
 
 def launcher_flags(model: str, config: str) -> list[str]:
+    """Our launcher's flags for a `dtype/mode` config: dtype float32, bfloat16, or a quantization
+    (nf4, fp4, int8) computing in bfloat16, with `-float32` in float32, with `-int8x` on int8
+    activations too (launcher_env); mode off or verified."""
     dtype, mode = config.split("/")
     flags = ["--model-id", model, "--max-input-tokens", str(CONTEXT - 512), "--max-total-tokens", str(CONTEXT),
              "--max-batch-prefill-tokens", str(CONTEXT - 512)]
-    quantize, _, compute = dtype.partition("-")  # "nf4" runs in bfloat16, "nf4-float32" in float32
+    quantize, _, compute = dtype.removesuffix("-int8x").partition("-")  # "nf4" runs in bfloat16
     if quantize in QUANTIZE and compute in ("", "float32", "bfloat16"):
         flags += ["--quantize", QUANTIZE[quantize], "--dtype", compute or "bfloat16"]
     elif dtype in ("float32", "bfloat16"):
         flags += ["--dtype", dtype]
     else:
         raise SystemExit(f"config {config!r}: dtype {dtype!r} is not one of float32, bfloat16, {', '.join(QUANTIZE)} "
-                         "(bfloat16 compute; with -float32 appended, float32)")
+                         "(bfloat16 compute; with -float32 appended, float32; then -int8x for int8 activations)")
     if mode == "verified":
         flags += ["--layer-skip-mode", "verified", "--layer-skip-policy", "auto"]
     elif mode != "off":
@@ -72,9 +75,19 @@ def launcher_flags(model: str, config: str) -> list[str]:
     return flags
 
 
+def launcher_env(config: str) -> dict[str, str]:
+    """The environment a config adds: `-int8x` quantizes the activations of 4-bit products."""
+    return {"TGI_QUANTIZED_ACTIVATIONS": "int8"} if config.split("/")[0].endswith("-int8x") else {}
+
+
+def start_ours(model: str, config: str, name: str, extra: list[str], startup_timeout_s: float = 900) -> Launcher:
+    """Our launcher serving `model` as `config` says, with `extra` flags (the router's warm-up
+    prefills thousands of tokens: minutes on quantized weights)."""
+    return start_launcher([*launcher_flags(model, config), *extra], name, startup_timeout_s, launcher_env(config))
+
+
 def ours(model: str, config: str) -> dict[str, Any]:
-    # the router's warm-up prefills 7,680 tokens: minutes on quantized weights
-    launcher = start_launcher(launcher_flags(model, config), "memory", startup_timeout_s=900)
+    launcher = start_ours(model, config, "memory", [])
     try:
         answer = httpx.post(f"{launcher.url}/v1/chat/completions", json=REQUEST, timeout=600)
         answer.raise_for_status()

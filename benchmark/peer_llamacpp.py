@@ -36,9 +36,8 @@ from typing import Any
 import httpx
 
 # memory.py puts integration-tests/ and integration-tests/router/ on sys.path (via disconnect_load).
-from memory import STARTUP_TIMEOUT_S, launcher_flags
+from memory import STARTUP_TIMEOUT_S, launcher_env, launcher_flags, start_ours
 from prefix_chat import LIMITS
-from router_launcher import start_launcher
 
 from text_generation_server.download import QWEN_CODER_05B_ID, chunked_gguf
 from text_generation_server.layerskip_cli.prompt_classes import CLASSES, build
@@ -153,10 +152,12 @@ def main() -> None:
             servers[name], argvs[name] = llama_server(stack, args.llama_server, args.model,
                                                       ["--spec-type", "ngram-simple"])
         for config in args.configs.split(","):
-            flags = [*launcher_flags(args.model, config), *LIMITS, "--max-concurrent-requests", "16"]
-            launcher = start_launcher(flags, "peer", startup_timeout_s=900)
+            extra = [*LIMITS, "--max-concurrent-requests", "16"]
+            launcher = start_ours(args.model, config, "peer", extra)
             stack.callback(launcher.stop)
-            servers[f"ours {config}"], argvs[f"ours {config}"] = launcher.url, flags
+            env = [f"{name}={value}" for name, value in launcher_env(config).items()]
+            servers[f"ours {config}"] = launcher.url
+            argvs[f"ours {config}"] = [*env, *launcher_flags(args.model, config), *extra]
         print(f"servers up: {', '.join(servers)}", flush=True)
         results = asyncio.run(run(servers, rows, args.new_tokens))
     medians = table(results)

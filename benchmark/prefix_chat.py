@@ -36,8 +36,7 @@ from typing import Any
 import httpx
 
 # memory.py puts integration-tests/ and integration-tests/router/ on sys.path (via disconnect_load).
-from memory import CONTEXT, STARTUP_TIMEOUT_S, launcher_flags
-from router_launcher import start_launcher
+from memory import CONTEXT, STARTUP_TIMEOUT_S, start_ours
 
 from text_generation_server.download import QWEN_CODER_05B_ID, chunked_gguf
 
@@ -134,7 +133,7 @@ async def rag(url: str) -> dict[str, Any]:
 @contextlib.contextmanager
 def ours(model: str, config: str, caching: bool) -> Iterator[str]:
     os.environ["PREFIX_CACHING"] = "1" if caching else "0"
-    launcher = start_launcher([*launcher_flags(model, config), *LIMITS, "--max-concurrent-requests", "16"], "prefix")
+    launcher = start_ours(model, config, "prefix", [*LIMITS, "--max-concurrent-requests", "16"])
     try:
         yield launcher.url
     finally:

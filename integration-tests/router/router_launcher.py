@@ -48,8 +48,10 @@ class Launcher:
         return int(self.proc.returncode)
 
 
-def start_launcher(extra: list[str], name: str, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Launcher:
-    """Start the launcher and wait until POST / answers (as upstream's tests do)."""
+def start_launcher(extra: list[str], name: str, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                   env: dict[str, str] | None = None) -> Launcher:
+    """Start the launcher (with `env` added to this process's environment) and wait until POST /
+    answers (as upstream's tests do)."""
     port = free_port()
     uds = f"/tmp/tgi-router-tests-{name}-{os.getpid()}"
     log_path = Path(tempfile.mkstemp(prefix=f"launcher-{name}-", suffix=".log")[1])
@@ -57,7 +59,7 @@ def start_launcher(extra: list[str], name: str, startup_timeout_s: float = START
     prometheus_port = free_port()
     argv = [exe, "--port", str(port), "--shard-uds-path", uds, "--hostname", "127.0.0.1",
             "--prometheus-port", str(prometheus_port), *SMALL_LIMITS, *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **(env or {})}
     with log_path.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
