@@ -12,6 +12,8 @@ by default: 64 prompts), decoded with the shipped policy and drafting forced on 
 And against bitsandbytes' own modules (the transformers runner: dequantize-then-matmul for 4-bit,
 its LLM.int8() with batch-wide outlier columns) on the first `--reference` prompts alone: max
 |logits| difference of the prompt's last position, and greedy agreement.
+With TGI_QUANTIZED_ACTIVATIONS=int8 in the environment the 4-bit formats run on int8 activations
+(recorded in the results).
 
 Usage: PYTHONPATH=benchmark:tests .venv/bin/python benchmark/quantized_exactness.py
        [--model ID] [--quantize bitsandbytes-nf4,bitsandbytes] [--per-class 16] [--batch 8]
@@ -33,6 +35,7 @@ from text_generation_server.download import download_weights
 from text_generation_server.engine.batch import CausalLMBatch
 from text_generation_server.engine.causal_lm import CausalLM
 from text_generation_server.engine.skip_planner import LayerSkipConfig, SkipPlanner
+from text_generation_server.env import process_env
 from text_generation_server.models.loading import LoadConfig, load_model
 from text_generation_server.models.runner import build_runner
 from text_generation_server.models.runner.base import ForwardInputs
@@ -142,7 +145,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     warnings.filterwarnings("ignore", message="MatMul8bitLt")  # bitsandbytes' reference, each product
-    results: dict[str, Any] = {"args": vars(args), "formats": {}}
+    results: dict[str, Any] = {"args": vars(args), "formats": {},
+                               "quantized_activations": process_env().kernels.quantized_activations}
     for quantize in args.quantize.split(","):
         results["formats"][quantize] = run_format(args.model, quantize, args)
         gc.collect()

@@ -439,6 +439,7 @@ struct FourBitRows {
   __m256i table;  // the 16 values as int8 in each lane
   float scale;    // max|t| / 127: t ~ int8 * scale
   static constexpr bool kReordered = true;
+  static constexpr int64_t kChunkBytes = kChunk / 2;
   static constexpr int64_t kLineColumns = 128;  // columns per cache line of codes
   static constexpr int kOneRowTile = 4;         // weight rows per tile for one x row
   FourBitRows(const Packed4& packed, int64_t k_) : w(packed), k(k_) {
@@ -451,9 +452,8 @@ struct FourBitRows {
     table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
   }
   const uint8_t* row(int64_t r) const { return w.codes + r * k / 2; }
-  const void* at(const uint8_t* row, int64_t c) const { return row + c / 2; }
-  __m256i chunk(const uint8_t* row, int64_t c) const {
-    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2)));
+  __m256i chunk(const uint8_t* codes) const {
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
     const __m256i index = _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(15));
     return _mm256_shuffle_epi8(table, index);
   }
@@ -467,27 +467,24 @@ struct Int8Rows {
   const float* scales;
   int64_t k, blocksize;  // a power of two
   static constexpr bool kReordered = false;
+  static constexpr int64_t kChunkBytes = kChunk;
   static constexpr int64_t kLineColumns = 64;
   static constexpr int kOneRowTile = 2;
   static constexpr float scale = 1.0f;
   const int8_t* row(int64_t r) const { return codes + r * k; }
-  const void* at(const int8_t* row, int64_t c) const { return row + c; }
-  __m256i chunk(const int8_t* row, int64_t c) const {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
-  }
+  static __m256i chunk(const int8_t* row) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)); }
   int shift() const { return __builtin_ctzll(blocksize); }
   const float* block_scales() const { return scales; }
 };
 
 struct X {
-  simd::Buffer<int8_t> values;       // [m, k], each chunk in the weights' order
-  simd::Buffer<uint8_t> magnitudes;  // |values|
-  std::vector<float> scales;         // [m, k / 32]
+  simd::Buffer<int8_t> chunks;  // [m, k / 32]: 32 values in the weights' order, then their magnitudes
+  std::vector<float> scales;    // [m, k / 32]
 };
 
 // reorder: each chunk in the 4-bit order (elements 0, 2, .., 30, then 1, 3, .., 31).
 X quantize(const float* x, int64_t m, int64_t k, bool reorder) {
-  X q{simd::Buffer<int8_t>(m * k), simd::Buffer<uint8_t>(m * k), std::vector<float>(m * k / kChunk)};
+  X q{simd::Buffer<int8_t>(2 * m * k), std::vector<float>(m * k / kChunk)};
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   // even bytes, then odd ones, in each lane (then the lanes' even halves first)
   const __m256i deinterleave =
@@ -512,17 +509,11 @@ X quantize(const float* x, int64_t m, int64_t k, bool reorder) {
           _mm256_packs_epi16(_mm256_packs_epi32(words[0], words[1]), _mm256_packs_epi32(words[2], words[3])),
           _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       if (reorder) bytes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, deinterleave), 0xD8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.values.data() + c * kChunk), bytes);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.magnitudes.data() + c * kChunk), _mm256_abs_epi8(bytes));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.chunks.data() + 2 * c * kChunk), bytes);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.chunks.data() + 2 * c * kChunk + kChunk), _mm256_abs_epi8(bytes));
     }
   });
   return q;
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 // Weight rows row .. row + R against x rows j0 .. j0 + MT, one weight block (or the part of it in
@@ -534,14 +525,13 @@ void tile(const W& w, const X& x, int64_t k, int64_t j0, int64_t row, const floa
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < MT; ++j) acc[r][j] = part[r][j] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
-  decltype(w.row(0)) rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = w.row(row + r);
-  const int8_t* signs[MT];
-  const uint8_t* magnitudes[MT];
-  const float* scales[MT];  // one per chunk
+  // running pointers, one chunk on at a time (index arithmetic per chunk cost more than the products)
+  decltype(w.row(0)) codes[R];
+  for (int r = 0; r < R; ++r) codes[r] = w.row(row + r);
+  const int8_t* chunks[MT];
+  const float* scales[MT];
   for (int j = 0; j < MT; ++j) {
-    signs[j] = x.values.data() + (j0 + j) * k;
-    magnitudes[j] = x.magnitudes.data() + (j0 + j) * k;
+    chunks[j] = x.chunks.data() + 2 * (j0 + j) * k;
     scales[j] = x.scales.data() + (j0 + j) * k / kChunk;
   }
   const int shift = w.shift();
@@ -549,17 +539,23 @@ void tile(const W& w, const X& x, int64_t k, int64_t j0, int64_t row, const floa
   const float* block_scales = w.block_scales();
   for (int64_t c = 0; c < k;) {
     const int64_t end = std::min(k, c + size - ((row * k + c) & (size - 1)));
-    for (; c < end; c += kChunk)
+    for (; c < end; c += kChunk) {
       for (int r = 0; r < R; ++r) {
-        if (c % W::kLineColumns == 0 && j0 == 0) simd::prefetch_ahead(w.at(rows[r], c));
-        const __m256i values = w.chunk(rows[r], c);
+        if ((c & (W::kLineColumns - 1)) == 0 && j0 == 0) simd::prefetch_ahead(codes[r]);
+        const __m256i values = w.chunk(codes[r]);
         for (int j = 0; j < MT; ++j) {
-          const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(signs[j] + c));
-          const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(magnitudes[j] + c));
+          const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks[j]));
+          const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks[j] + kChunk));
           const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(values, s)), ones);
-          part[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(scales[j] + c / kChunk), part[r][j]);
+          part[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(scales[j]), part[r][j]);
         }
       }
+      for (int r = 0; r < R; ++r) codes[r] += W::kChunkBytes;
+      for (int j = 0; j < MT; ++j) {
+        chunks[j] += 2 * kChunk;
+        ++scales[j];
+      }
+    }
     for (int r = 0; r < R; ++r) {
       const __m256 scale = _mm256_set1_ps(block_scales[((row + r) * k + c - 1) >> shift]);
       for (int j = 0; j < MT; ++j) {
@@ -570,7 +566,7 @@ void tile(const W& w, const X& x, int64_t k, int64_t j0, int64_t row, const floa
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < MT; ++j) {
-      float value = hsum(acc[r][j]) * w.scale;
+      float value = simd::hsum(acc[r][j]) * w.scale;
       if (bias) value += bias[row + r];
       y[(j0 + j) * n + row + r] = value;
     }
@@ -587,9 +583,11 @@ void rows(const W& w, const X& x, int64_t m, int64_t k, int64_t row, const float
 template <class W>
 void product(const W& w, const float* xf, const float* bias, float* y, int64_t m, int64_t k, int64_t n) {
   const X x = quantize(xf, m, k, W::kReordered);
-  // Several weight rows at a time (independent sums in flight) where their blocks line up: 4 for
-  // one x row, pairs for tiles of 2. One x row of the 0.5B's layers (2 threads, a Zen 3): 0.48x
-  // the time of the fp32 4-bit products; 2 / 4 / 8 / 16 rows 0.54 / 0.73 / 0.73 / 0.79x.
+  // Several weight rows at a time (independent sums in flight) where their blocks line up: 4 (4-bit)
+  // for one x row, else pairs, each against tiles of 2 x rows. The 0.5B's layers (2 threads, a Zen
+  // 3): 0.49x the time of the fp32 4-bit products at one x row, 0.53-0.57 / 0.76-0.81 / 0.81-0.88x
+  // at 2 / 4 / 16 rows (each x row adds ~5 vector ops per 32 weights: sign, maddubs, madd, cvt,
+  // fma); x tiles in L1 against spans of weight rows in L2 gained nothing measurable.
   const bool aligned = k % (int64_t{1} << w.shift()) == 0;
   const int64_t grain = std::max<int64_t>(1, 16384 / k);
   at::parallel_for(0, (n + 3) / 4, grain, [&](int64_t b0, int64_t b1) {
