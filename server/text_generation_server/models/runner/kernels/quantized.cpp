@@ -26,6 +26,9 @@
 // it (verified mode: a verification equals its one-token steps). For one x row, and for rows
 // whose outliers lie in the same columns, the result equals bitsandbytes' up to the order of the
 // outlier sum.
+// With TGI_QUANTIZED_ACTIVATIONS=int8 (q8 below) 4-bit weights, and the weight-only int8 blocks
+// of the lm_head, multiply int8-quantized activations instead, as llama.cpp does: not bitsandbytes'
+// numerics.
 // The int8 dot products: AVX2 and AVX-512BW move x's sign onto w and sum |x| * w with maddubs
 // (|x|, |w| <= 127: pairs never saturate); AVX-512 VNNI sums (x + 128) * w with vpdpbusd and
 // takes back 128 * sum(w) (each weight row's sum is kept with the weight); AMX's TDPBSSD multiplies
@@ -454,8 +457,8 @@ struct FourBitRows {
   const uint8_t* row(int64_t r) const { return w.codes + r * k / 2; }
   __m256i chunk(const uint8_t* codes) const {
     const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-    const __m256i index = _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(15));
-    return _mm256_shuffle_epi8(table, index);
+    const __m256i shifted = _mm256_srlv_epi64(both, _mm256_setr_epi64x(4, 4, 0, 0));
+    return _mm256_shuffle_epi8(table, _mm256_and_si256(shifted, _mm256_set1_epi8(15)));
   }
   int shift() const { return __builtin_ctzll(w.blocksize); }  // blocksize: a power of two
   const float* block_scales() const { return w.absmax; }
@@ -509,8 +512,9 @@ X quantize(const float* x, int64_t m, int64_t k, bool reorder) {
           _mm256_packs_epi16(_mm256_packs_epi32(words[0], words[1]), _mm256_packs_epi32(words[2], words[3])),
           _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       if (reorder) bytes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, deinterleave), 0xD8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.chunks.data() + 2 * c * kChunk), bytes);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.chunks.data() + 2 * c * kChunk + kChunk), _mm256_abs_epi8(bytes));
+      int8_t* out = q.chunks.data() + 2 * c * kChunk;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kChunk), _mm256_abs_epi8(bytes));
     }
   });
   return q;
