@@ -282,7 +282,8 @@ class FastLlamaRunner(Runner):
         self.quantized_activations = activations if kind.startswith("4bit") and ops is not None else None
         if ops is not None:
             refusals: dict[str, str] = {}
-            self.layers = [kernel_layer(lw, ops, self.dtype, refusals, config.release_model, activations == "int8")
+            int8_x = self.quantized_activations == "int8"
+            self.layers = [kernel_layer(lw, ops, self.dtype, refusals, config.release_model, int8_x)
                            for lw in self.layers]
             log_refusals(self.name, refusals)
         if self.quantized_activations == "int8":
