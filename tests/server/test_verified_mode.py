@@ -154,7 +154,8 @@ def test_greedy_verified_in_a_mixed_batch_equals_off(pair: Pair) -> None:
 
 def test_int8_activations_serve_other_logits_close_to_bitsandbytes_numerics(pairs: Callable[[str], Pair]) -> None:
     """nf4-int8x runs the int8-activation products: its logits are not nf4's (other numerics) but
-    stay near them (measured: at most 0.6 apart on a scale of ~20, the greedy token unchanged)."""
+    stay near them (measured on prompt 0: 1.78 apart at most, logits up to 28, the greedy token
+    unchanged; the int8 path computes the same on every kernel variant)."""
     nf4, int8x = pairs("nf4"), pairs("nf4-int8x")
     assert (nf4.off.runner.quantized_activations, int8x.off.runner.quantized_activations) == ("float", "int8")
     ids = torch.tensor([nf4.off.tokenizer(nf4.prompts[0])["input_ids"]])
