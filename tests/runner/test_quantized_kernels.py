@@ -271,3 +271,22 @@ def test_int8_weights_equal_the_dequantized_product(ops, n: int, k: int, blocksi
             assert torch.equal(out, _row_by_row(quantized_x, x)), f"int8 weights, int8 x: {rows} rows"
     with pytest.raises(RuntimeError, match="blocksize 48 must be a power of two >= 32 dividing k = 96"):
         ops.Projection.int8_weights(torch.zeros(2, 96, dtype=torch.int8), torch.ones(4), 48, None)
+
+
+@pytest.mark.parametrize("weights", ["nf4", "int8 blocks"])
+def test_int8_activations_carry_a_nan_to_its_row_alone(ops, weights: str) -> None:  # noqa: F811
+    """A NaN in an x row makes that row's outputs NaN, as fp32 products would (rounding x to int8
+    alone would drop it: max|x| ignores NaN), and leaves the other rows as they are alone."""
+    generator = torch.Generator().manual_seed(31)
+    weight = torch.randn(9, 128, generator=generator) / 8
+    if weights == "nf4":
+        projection, _ = _four_bit(ops, weight, "nf4", 64, None, int8_x=True)
+    else:
+        scales = weight.view(9, 2, 64).abs().amax(-1, keepdim=True) / 127
+        codes = torch.round(weight.view(9, 2, 64) / scales).to(torch.int8).view(9, 128)
+        projection = ops.Projection.int8_weights(codes, scales.reshape(-1).contiguous(), 64, None, int8_x=True)
+    x = torch.randn(3, 128, generator=generator)
+    x[1, 70] = float("nan")
+    out = projection(x)
+    assert out[1].isnan().all(), f"{weights}: the NaN row gave {out[1]}"
+    assert torch.equal(out[[0, 2]], projection(x[[0, 2]])), f"{weights}: the NaN changed the other rows"

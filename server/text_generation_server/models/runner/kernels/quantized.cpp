@@ -495,15 +495,18 @@ X quantize(const float* x, int64_t m, int64_t k, bool reorder) {
   at::parallel_for(0, m * k / kChunk, std::max<int64_t>(1, 4096 / kChunk), [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       __m256 v[4];
-      __m256 top = _mm256_setzero_ps();
+      __m256 top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
       for (int i = 0; i < 4; ++i) {
         v[i] = _mm256_loadu_ps(x + c * kChunk + 8 * i);
         top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
       }
       __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
       t = _mm_max_ps(t, _mm_movehl_ps(t, t));
       const float most = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
-      q.scales[c] = most / 127.0f;
+      // max ignores a NaN: the chunk's scale carries it instead, so the row's outputs are NaN (as
+      // fp32 products would make them), not finite values that hide it
+      q.scales[c] = _mm256_testz_ps(nan, nan) ? most / 127.0f : std::numeric_limits<float>::quiet_NaN();
       const __m256 factor = _mm256_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
       __m256i words[4];
       for (int i = 0; i < 4; ++i) words[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], factor));
