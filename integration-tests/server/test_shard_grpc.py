@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import grpc
 import pytest
 
+from text_generation_server.download import DEFAULT_MODEL_ID
 from text_generation_server.models.runner import cpu_kernels
 from text_generation_server.pb import generate_pb2, generate_pb2_grpc
 
 from factories import CHAT_FRANCE, Outcome, collect, make_batch, make_request, run_to_completion
+from shard_process import ShardProcess
 
 Stub = generate_pb2_grpc.TextGenerationServiceStub
 
@@ -59,6 +63,27 @@ def test_handshake_and_greedy_chat_answer(shard: Stub) -> None:
     with pytest.raises(grpc.RpcError) as err:
         shard.Decode(generate_pb2.DecodeRequest(batches=[filtered.batch]))
     assert err.value.details() == "Batch ID 2 not found in cache."
+
+
+def test_a_warm_up_in_chunks_says_how_far_it_is(model_path: Path) -> None:
+    """The router's warm-up prefills a batch of --max-batch-prefill-tokens (minutes on quantized
+    weights): the shard logs its progress at each chunk, not only at the end."""
+    process = ShardProcess(DEFAULT_MODEL_ID, [], env={"PREFILL_CHUNK_TOKENS": "32"})
+    try:
+        shard = process.wait_ready()
+        request = make_request(0, "warm up " * 40, 2, ignore_eos=True)
+        shard.Warmup(generate_pb2.WarmupRequest(batch=make_batch(7, [request]), max_input_tokens=1000,
+                                                max_prefill_tokens=1024, max_total_tokens=1024))
+        log = Path(process.log_path).read_text()
+    finally:
+        process.stop()
+    progress = [(int(done.replace(",", "")), int(total.replace(",", ""))) for done, total in
+                re.findall(r"Warm-up: ([\d,]+) of ([\d,]+) prompt tokens prefilled", log)]
+    assert len(progress) >= 2, log[-3000:]
+    done = [d for d, _ in progress]
+    assert done == sorted(done) and done[-1] > done[0], progress
+    assert {total for _, total in progress} == {progress[0][1]} and progress[0][1] >= 80, progress
+    assert "Warmup done" in log
 
 
 def _alone(shard: Stub, request: generate_pb2.Request, batch_id: int) -> list[int]:

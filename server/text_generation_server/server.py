@@ -184,8 +184,13 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             r.parameters.watermark = False
         batch = self._from_pb(warmup_batch)
         padded_tokens = batch.padded_prompt_tokens()
+        prompt_tokens, start = sum(r.input_length for r in batch.requests), time.perf_counter()
         self.model.generate_token(batch)  # a dry run; the result is not cached
         while any(group.fresh for group in batch.groups):  # a prefill in chunks: to its last one
+            # minutes on quantized weights: say how far it is
+            left = sum(int(group.pending_mask.sum()) for group in batch.groups if group.fresh)
+            logger.info(f"Warm-up: {prompt_tokens - left:,} of {prompt_tokens:,} prompt tokens prefilled in "
+                        f"{time.perf_counter() - start:.0f} s")
             self.model.generate_token(batch)
         if self.model.prefixes is not None:
             self.model.prefixes.clear()  # nor are its prompts
