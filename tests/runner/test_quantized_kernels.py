@@ -182,6 +182,33 @@ def test_int8_is_the_same_on_every_variant() -> None:
             assert torch.equal(a, b), f"{first} and {name} differ"
 
 
+@pytest.mark.parametrize("weights", ["nf4", "int8 blocks"])
+def test_int8_activations_are_the_same_on_every_variant(weights: str) -> None:
+    """With int8 activations every chunk's 32 products are summed exactly in int32 (maddubs, VNNI's
+    vpdpbusd, AMX's tiles from 3 rows on) and the fp32 steps after it are the same per (weight
+    row, x row) on every path: each variant gives these floats at every row count, bit for bit."""
+    generator = torch.Generator().manual_seed(7)
+    n, k = 300, 4928  # a last block of 12 weight rows; 154 chunks: not whole groups of 4
+    weight = torch.randn(n, k, generator=generator) / 70
+    bias = torch.randn(n, generator=generator)
+    x = torch.randn(37, k, generator=generator) * 2  # 37: three groups of 16 x rows on the tiles
+    outputs = {}
+    for variant in cpu_kernels.runnable_variants():
+        kernels = cpu_kernels.load_variant(variant.name)
+        if weights == "nf4":
+            projection, _ = _four_bit(kernels, weight, "nf4", 64, bias, int8_x=True)
+        else:
+            scales = weight.view(n, -1, 64).abs().amax(-1, keepdim=True) / 127
+            codes = torch.round(weight.view(n, -1, 64) / scales).to(torch.int8).view(n, k)
+            projection = kernels.Projection.int8_weights(codes, scales.reshape(-1).contiguous(), 64, bias,
+                                                         int8_x=True)
+        outputs[variant.name] = [projection(x[:rows]) for rows in (1, 2, 3, 5, 16, 17, 37)]
+    first, *others = outputs
+    for name in others:
+        for a, b in zip(outputs[first], outputs[name], strict=True):
+            assert torch.equal(a, b), f"{weights}: {first} and {name} differ at {a.shape[0]} rows"
+
+
 @pytest.mark.filterwarnings("ignore")
 def test_int8_bf16_activations(ops) -> None:  # noqa: F811
     generator = torch.Generator().manual_seed(11)

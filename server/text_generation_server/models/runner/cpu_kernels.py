@@ -11,7 +11,7 @@ few new tokens per row, so Python is crossed once per layer.
 
 Variants, as ggml and ATen do it: the kernels are compiled once per ISA level (VARIANTS, widest
 first) and one the CPU's flags allow is imported per weight kind (float32, bfloat16, 4-bit in
-fp32 or bf16, int8): the one measured fastest for that kind on this CPU (kernel_choice.py: the
+fp32 or bf16 or with int8 activations, int8): the one measured fastest for that kind on this CPU (kernel_choice.py: the
 widest is not always the fastest), once per process; the log and the shard's Info name it. fp32 kernels
 never use a bf16 instruction (bf16 weights are widened by shifts below avx512_bf16), and int8
 products use AVX-512 VNNI where the CPU has it. Building

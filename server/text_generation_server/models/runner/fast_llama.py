@@ -276,9 +276,11 @@ class FastLlamaRunner(Runner):
         # The kernels take float32 and bfloat16 (dense or bitsandbytes); decided here once, not per op.
         use_kernels = config.kernels and not config.compile and self.dtype in cpu_kernels.DTYPES
         kind = weight_kind(self.layers[0], self.dtype)
+        activations = config.quantized_activations or process_env().kernels.quantized_activations
+        if kind == "4bit" and activations == "int8":
+            kind = "4bit-int8x"
         ops = cpu_kernels.load(config.kernel_switch, kind) if use_kernels else None
         self.cpu_kernels = ops.variant if ops is not None else "none"
-        activations = config.quantized_activations or process_env().kernels.quantized_activations
         self.quantized_activations = activations if kind.startswith("4bit") and ops is not None else None
         if ops is not None:
             refusals: dict[str, str] = {}

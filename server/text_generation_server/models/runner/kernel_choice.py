@@ -36,18 +36,22 @@ from . import kernel_build
 from .kernel_api import CpuOps, Projection
 from .kv_cache import BLOCK_SIZE
 
-KINDS = ("float32", "bfloat16", "4bit", "4bit-bfloat16", "int8")  # weight formats of the fast runner's projections
-# (4bit: bitsandbytes 4-bit with an fp32 compute dtype; 4bit-bfloat16: with bf16, which the avx512_bf16 variant
-# multiplies with its bf16 dot product and the amx variant on tiles)
+# weight formats of the fast runner's projections (4bit: bitsandbytes 4-bit with an fp32 compute dtype;
+# 4bit-bfloat16: with bf16, which the avx512_bf16 variant multiplies with its bf16 dot product and the amx
+# variant on tiles; 4bit-int8x: with int8 activations, TGI_QUANTIZED_ACTIVATIONS=int8, whose integer products
+# run on VNNI's vpdpbusd and AMX's int8 tiles)
+KINDS = ("float32", "bfloat16", "4bit", "4bit-bfloat16", "4bit-int8x", "int8")
 EXTENSIONS = ("avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")  # CPU flags beyond AVX-512F
 EXTENSIONS_USED = {"float32": (), "bfloat16": ("avx512_bf16", "amx_tile", "amx_bf16"), "4bit": (),
                    "4bit-bfloat16": ("avx512_bf16", "amx_tile", "amx_bf16"),
+                   "4bit-int8x": ("avx512_vnni", "amx_tile", "amx_int8"),
                    "int8": ("avx512_vnni", "amx_tile", "amx_int8")}  # what each kind's kernels use (variants_for)
 CHOICES_FILE = "choices.json"
 MARGIN = 0.97  # a narrower variant must take at most this share of a wider one's time
 WEIGHT_BYTES = 96 << 20  # weights per synthetic step: beyond the last-level cache of these machines
 HIDDEN, INTER, HEADS, KV_HEADS, DIM, CONTEXT = 576, 1536, 9, 3, 64, 64
-BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "4bit": 0.5625, "4bit-bfloat16": 0.5625, "int8": 1.0}
+BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "4bit": 0.5625, "4bit-bfloat16": 0.5625, "4bit-int8x": 0.5625,
+                    "int8": 1.0}
 NF4_LIKE = torch.linspace(-1.0, 1.0, 16)
 ROWS = (1, 8)  # batch sizes of the synthetic steps
 # part of the key: a new method measures again
@@ -103,7 +107,8 @@ class _SyntheticStep:
         factory = self.ops.Projection
         if self.kind.startswith("4bit"):
             codes = torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, generator=generator)
-            return factory.four_bit(codes, torch.full((n * k // 64,), 0.05), NF4_LIKE, 64, n, k, None)
+            return factory.four_bit(codes, torch.full((n * k // 64,), 0.05), NF4_LIKE, 64, n, k, None,
+                                    int8_x=self.kind == "4bit-int8x")
         if self.kind == "int8":
             codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
             return factory.int8(codes, torch.full((n,), 0.05), None, 6.0)
