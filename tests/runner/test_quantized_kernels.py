@@ -185,7 +185,7 @@ def test_int8_is_the_same_on_every_variant() -> None:
 @pytest.mark.parametrize("weights", ["nf4", "int8 blocks"])
 def test_int8_activations_are_the_same_on_every_variant(weights: str) -> None:
     """With int8 activations every chunk's 32 products are summed exactly in int32 (maddubs, VNNI's
-    vpdpbusd, AMX's tiles from 3 rows on) and the fp32 steps after it are the same per (weight
+    vpdpbusd, AMX's tiles from 2 rows on) and the fp32 steps after it are the same per (weight
     row, x row) on every path: each variant gives these floats at every row count, bit for bit."""
     generator = torch.Generator().manual_seed(7)
     n, k = 300, 4928  # a last block of 12 weight rows; 154 chunks: not whole groups of 4

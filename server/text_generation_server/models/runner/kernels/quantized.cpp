@@ -673,7 +673,7 @@ void rows(const W& w, const X& x, int64_t m, int64_t k, int64_t row, const float
 // weight chunks (16 rows x 32 signed bytes), 6 and 7 x chunks (8 groups of 4 bytes x the x rows);
 // TDPBSSD's sum of a chunk is the lanes' sum of tile(), exactly. A block's 16 weight rows are
 // decoded to int8 once (Int8Rows: read in place), then multiplied with every group of 16 x rows.
-constexpr int64_t kAmxRows = 3;  // fewer: the lanes (0.5B-shaped layers, 2 rows: 15.0 ms, tiles 19.5; 4: 28.2 and 20.7)
+constexpr int64_t kAmxRows = 2;  // one row: the lanes (0.5B-shaped layers: 2 rows 14.2-14.6 ms here, 15.1-15.7 on lanes)
 
 inline void configure_tiles(int64_t width) {
   struct alignas(64) {
@@ -805,9 +805,12 @@ void amx_product(const W& w, const X& x, const float* bias, float* y, int64_t m,
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t row0 = b * 16, rows = std::min<int64_t>(16, n - row0);
       const int8_t* a = w.rows_for_tiles(row0, rows, decoded.data());
-      for (int64_t q = 0; q < chunks / per_block; ++q)
-        for (int64_t i = 0; i < 16; ++i)
-          block_scales[q * 16 + i] = i < rows ? w.block_scales()[((row0 + i) * k >> shift) + q] : 0.0f;
+      const int64_t blocks = chunks / per_block;
+      for (int64_t i = 0; i < 16; ++i) {
+        const float* own = i < rows ? w.block_scales() + ((row0 + i) * k >> shift) : nullptr;
+        float* to = block_scales.data() + i;
+        for (int64_t q = 0; q < blocks; ++q) to[q * 16] = own ? own[q] : 0.0f;
+      }
       for (int64_t g = 0; g < groups; ++g) {
         const uint32_t* group = words.data() + g * chunks * 8 * lanes;
         const float* group_scales = scales.data() + g * chunks * 16;
