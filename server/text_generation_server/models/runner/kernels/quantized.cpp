@@ -455,7 +455,8 @@ struct FourBitRows {
   static constexpr bool kReordered = true;
   static constexpr int64_t kChunkBytes = kChunk / 2;
   static constexpr int64_t kLineColumns = 128;  // columns per cache line of codes
-  static constexpr int kOneRowTile = 4;         // weight rows per tile for one x row
+  // fewer x rows: the lanes (0.5B-shaped layers: 2 rows 14.2-14.6 ms on AMX tiles, 15.1-15.7 on lanes)
+  static constexpr int64_t kAmxRows = 2;
   FourBitRows(const Packed4& packed, int64_t k_) : w(packed), k(k_) {
     float top = 0.0f;
     for (int e = 0; e < 16; ++e) top = std::max(top, std::fabs(w.table[e]));
@@ -514,7 +515,9 @@ struct Int8Rows {
   static constexpr bool kReordered = false;
   static constexpr int64_t kChunkBytes = kChunk;
   static constexpr int64_t kLineColumns = 64;
-  static constexpr int kOneRowTile = 2;
+  // fewer: the lanes (the 0.5B's int8 head: 2 / 3 / 4 / 8 rows 7.4 / 17.5 / 10.8 / 19.5 ms on lanes,
+  // 10.2 / 10.9 / 11.2 / 12.1 on AMX tiles)
+  static constexpr int64_t kAmxRows = 3;
   static constexpr float scale = 1.0f;
   const int8_t* row(int64_t r) const { return codes + r * k; }
   static __m256i chunk(const int8_t* row) {
@@ -673,7 +676,6 @@ void rows(const W& w, const X& x, int64_t m, int64_t k, int64_t row, const float
 // weight chunks (16 rows x 32 signed bytes), 6 and 7 x chunks (8 groups of 4 bytes x the x rows);
 // TDPBSSD's sum of a chunk is the lanes' sum of tile(), exactly. A block's 16 weight rows are
 // decoded to int8 once (Int8Rows: read in place), then multiplied with every group of 16 x rows.
-constexpr int64_t kAmxRows = 2;  // one row: the lanes (0.5B-shaped layers: 2 rows 14.2-14.6 ms here, 15.1-15.7 on lanes)
 
 inline void configure_tiles(int64_t width) {
   struct alignas(64) {
@@ -838,22 +840,23 @@ template <class W>
 void product(const W& w, const float* xf, const float* bias, float* y, int64_t m, int64_t k, int64_t n) {
   const X x = quantize(xf, m, k, W::kReordered);
 #if defined(TGI_AMX)
-  if (m >= kAmxRows && k % (int64_t{1} << w.shift()) == 0 && amx::permitted()) {
+  if (m >= W::kAmxRows && k % (int64_t{1} << w.shift()) == 0 && amx::permitted()) {
     amx_product(w, x, bias, y, m, k, n);
     return;
   }
 #endif
-  // Several weight rows at a time (independent sums in flight) where their blocks line up: 4 (4-bit)
-  // for one x row, else pairs, each against tiles of 2 x rows. The 0.5B's layers (2 threads, a Zen
-  // 3): 0.49x the time of the fp32 4-bit products at one x row, 0.53-0.57 / 0.76-0.81 / 0.81-0.88x
-  // at 2 / 4 / 16 rows (each x row adds ~5 vector ops per 32 weights: sign, maddubs, madd, cvt,
-  // fma); x tiles in L1 against spans of weight rows in L2 gained nothing measurable.
+  // Several weight rows at a time (independent sums in flight) where their blocks line up: 4 for
+  // one x row (int8 rows took pairs before: the 0.5B's head 12.3 ms against 7.1 on an AMX Xeon),
+  // else pairs, each against tiles of 2 x rows. The 0.5B's layers (2 threads, a Zen 3,
+  // with each lane converted alone then): 0.49x the time of the fp32 4-bit products at one x row,
+  // 0.53-0.57 / 0.76-0.81 / 0.81-0.88x at 2 / 4 / 16 rows; x tiles in L1 against spans of weight
+  // rows in L2 gained nothing measurable.
   const bool aligned = k % (int64_t{1} << w.shift()) == 0;
   const int64_t grain = std::max<int64_t>(1, 16384 / k);
   at::parallel_for(0, (n + 3) / 4, grain, [&](int64_t b0, int64_t b1) {
     const int64_t end = std::min(n, b1 * 4);
     int64_t row = b0 * 4;
-    if (aligned && m == 1 && W::kOneRowTile == 4)
+    if (aligned && m == 1)
       for (; row + 4 <= end; row += 4) tile<W, 4, 1>(w, x, k, 0, row, bias, y, n);
     if (aligned)
       for (; row + 2 <= end; row += 2) rows<W, 2>(w, x, m, k, row, bias, y, n);
