@@ -431,7 +431,7 @@ void four_bit(const FourBit& w, const Prepared<X>& x, int64_t m, const float* bi
 // guarantee paragraph). 256-bit lanes in every variant: AVX2 multiplies |x| by w with x's sign
 // (maddubs, then madd: 8 lanes of 4 products), AVX-512 VNNI unsigned w + 128 by signed x
 // (vpdpbusd, each lane started at -128 * its 4 x values' sum, made once per x chunk: the same
-// lanes); the amx variant multiplies 2 and more x rows on AMX tiles (amx_product).
+// lanes); the amx variant multiplies several x rows on AMX tiles (amx_product).
 namespace q8 {
 
 #if defined(__AVX512VNNI__)
@@ -475,8 +475,8 @@ struct FourBitRows {
   }
   int shift() const { return __builtin_ctzll(w.blocksize); }  // blocksize: a power of two
   const float* block_scales() const { return w.absmax; }
-  // Weight rows row0 .. row0 + rows as signed int8 in out [16, k] (the missing rows zero), in the
-  // order x is quantized; nullptr: no copy is needed (Int8Rows' whole blocks).
+  // Weight rows row0 .. row0 + rows as signed int8 [16, k] (the missing rows zero), in the order x
+  // is quantized: written to `out`, or the rows in place where they need no copy (Int8Rows).
   const int8_t* rows_for_tiles(int64_t row0, int64_t rows, int8_t* out) const {
 #if defined(__AVX512BW__)
     // two chunks at a time: their 32 bytes as [first, first, second, second], lanes 0 and 2 shifted by 4
@@ -585,8 +585,8 @@ X quantize(const float* x, int64_t m, int64_t k, bool reorder) {
   return q;
 }
 
-// One chunk's 32 products of weight values w (biased for VNNI) and the x chunk at x, exactly, as
-// 8 int32 lanes of 4 neighbouring products (see the namespace's note).
+// One chunk's 32 products of weight values w (biased for VNNI) and an x chunk (s: its values; u:
+// their magnitudes, or VNNI's lane starts), exactly, as 8 int32 lanes of 4 neighbouring products.
 inline __m256i chunk_sums(__m256i w, __m256i s, __m256i u) {
 #if defined(__AVX512VNNI__)
   return _mm256_dpbusd_epi32(u, w, s);  // u: the lanes' starting values
@@ -671,7 +671,7 @@ void rows(const W& w, const X& x, int64_t m, int64_t k, int64_t row, const float
 }
 
 #if defined(TGI_AMX)
-// 2 and more x rows on AMX tiles (tile()'s fp32 steps per pair, vectorized across 16 x rows):
+// Several x rows on AMX tiles (W::kAmxRows on; tile()'s fp32 steps per pair, vectorized):
 // tiles 0-3 take 4 chunks' int32 sums at a time (16 weight rows x up to 16 x rows), 4 and 5
 // weight chunks (16 rows x 32 signed bytes), 6 and 7 x chunks (8 groups of 4 bytes x the x rows);
 // TDPBSSD's sum of a chunk is the lanes' sum of tile(), exactly. A block's 16 weight rows are
@@ -718,9 +718,9 @@ inline void chunk_tile(const int8_t* a, int64_t stride, const uint32_t* b, int64
   }
 }
 
-// y for weight rows row0 .. row0 + 16 (`rows` of them) and x rows of group g, from L lanes per weight
-// row (L >= the group's x rows: 16 / L weight rows per vector, `vectors` = L of them): lane l of
-// vector q holds weight row q * 16 / L + l / L against x row l % L.
+// y for weight rows row0 .. row0 + 16 (`rows` of them) and the x rows of one group, from L lanes per
+// weight row (L >= the group's x rows: 16 / L weight rows per vector, L vectors): lane l of vector
+// q holds weight row q * 16 / L + l / L against x row l % L.
 template <int L>
 void amx_group(const int8_t* a, int64_t k, const uint32_t* group, const float* scales, const float* block_scales,
                int64_t per_block, int64_t row0, int64_t rows, int64_t valid, float w_scale, const float* bias,
