@@ -52,23 +52,29 @@ inline bool permitted() {
   return granted;
 }
 
-// Tiles 0-3: the four sums of a block (16 weight rows x m x rows, 4 bytes each); 4 and 5: x
-// chunks (16 groups of 4 bytes x m rows); 6 and 7: weight chunks (16 rows x 64 bytes). Loads
-// alternate between two tiles so that a load does not wait for the product still reading the other.
-inline void configure(int64_t m) {
+// Tiles 0-7 as rows[t] rows of bytes[t] bytes each.
+inline void load_config(const int64_t (&rows)[8], const int64_t (&bytes)[8]) {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
     uint8_t rows[16] = {};
   } config;
   for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTile;
-    config.colsb[t] = t < 6 ? static_cast<uint16_t>(m * 4) : kTileBytes;
+    config.rows[t] = static_cast<uint8_t>(rows[t]);
+    config.colsb[t] = static_cast<uint16_t>(bytes[t]);
   }
   // GCC does not see LDTILECFG read the struct and may drop the stores to it (seen at -O2 in a
   // test program: tiles left unconfigured, SIGILL): the barrier keeps them.
   asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
+}
+
+// Tiles 0-3: the four sums of a block (16 weight rows x m x rows, 4 bytes each); 4 and 5: x
+// chunks (16 groups of 4 bytes x m rows); 6 and 7: weight chunks (16 rows x 64 bytes). Loads
+// alternate between two tiles so that a load does not wait for the product still reading the other.
+inline void configure(int64_t m) {
+  load_config({kTile, kTile, kTile, kTile, kTile, kTile, kTile, kTile},
+              {m * 4, m * 4, m * 4, m * 4, m * 4, m * 4, kTileBytes, kTileBytes});
 }
 
 // x rows of `bytes` bytes each (`row_bytes` apart) as B tiles of m columns: 4-byte group p of x row

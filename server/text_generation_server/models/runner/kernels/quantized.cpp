@@ -677,18 +677,9 @@ void rows(const W& w, const X& x, int64_t m, int64_t k, int64_t row, const float
 // TDPBSSD's sum of a chunk is the lanes' sum of tile(), exactly. A block's 16 weight rows are
 // decoded to int8 once (Int8Rows: read in place), then multiplied with every group of 16 x rows.
 
-inline void configure_tiles(int64_t width) {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = t < 6 ? 16 : kChunk / 4;
-    config.colsb[t] = static_cast<uint16_t>(t < 4 || t >= 6 ? width * 4 : kChunk);
-  }
-  asm volatile("" : : "r"(&config) : "memory");  // see amx::configure
-  _tile_loadconfig(&config);
+inline void configure_tiles(int64_t lanes) {
+  const int64_t sums = lanes * 4, x_rows = kChunk / 4;
+  amx::load_config({16, 16, 16, 16, 16, 16, x_rows, x_rows}, {sums, sums, sums, sums, kChunk, kChunk, sums, sums});
 }
 
 // Chunk t of 4 (weights `a`, `stride` bytes between rows; x words `b`) into sums tile t, from 0.
