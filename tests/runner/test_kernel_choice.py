@@ -66,7 +66,7 @@ def test_a_single_runnable_variant_is_taken_without_measuring(tmp_path: Path) ->
 
 
 def test_an_unknown_kind_is_refused_by_name() -> None:
-    kinds = "float32, bfloat16, 4bit, 4bit-bfloat16, int8"
+    kinds = "float32, bfloat16, 4bit, 4bit-bfloat16, 4bit-int8x, int8"
     with pytest.raises(ValueError, match=f"kernel weight kind 'fp8' is not one of {kinds}"):
         cpu_kernels.load(kind="fp8")
 
@@ -83,9 +83,10 @@ def test_only_variants_whose_code_differs_for_a_kind_are_timed() -> None:
     assert names("bfloat16", sapphire_rapids) == ["amx", "avx512_bf16", "avx512", "avx2"]
     assert names("4bit-bfloat16", sapphire_rapids) == ["amx", "avx512_bf16", "avx512", "avx2"]
     assert names("int8", sapphire_rapids) == ["amx", "avx512_vnni", "avx512", "avx2"]
+    assert names("4bit-int8x", sapphire_rapids) == names("int8", sapphire_rapids)  # VNNI lanes, AMX int8 tiles
     assert names("float32", zen4) == names("4bit", zen4) == ["avx512", "avx2"]
     assert names("bfloat16", zen4) == names("4bit-bfloat16", zen4) == ["avx512_bf16", "avx512", "avx2"]
-    assert names("int8", zen4) == ["avx512_vnni", "avx512", "avx2"]
+    assert names("int8", zen4) == names("4bit-int8x", zen4) == ["avx512_vnni", "avx512", "avx2"]
     ice_lake = ["avx512_vnni", "avx512", "avx2"]
     assert names("bfloat16", ice_lake) == ["avx512", "avx2"]
     assert names("int8", ice_lake) == ice_lake
