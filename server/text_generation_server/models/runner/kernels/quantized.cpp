@@ -772,8 +772,8 @@ void amx_group(const int8_t* a, int64_t k, const uint32_t* group, const float* s
 template <class W>
 void amx_product(const W& w, const X& x, const float* bias, float* y, int64_t m, int64_t k, int64_t n) {
   const int64_t chunks = k / kChunk, width = std::min<int64_t>(m, 16), groups = (m + width - 1) / width;
-  const int lanes = width <= 1 ? 1 : width <= 2 ? 2 : width <= 4 ? 4 : width <= 8 ? 8 : 16;  // L
-  const int64_t per_block = (int64_t{1} << w.shift()) / kChunk;
+  const int lanes = width <= 2 ? 2 : width <= 4 ? 4 : width <= 8 ? 8 : 16;  // L (m >= 2 here)
+  const int64_t per_block = (int64_t{1} << w.shift()) / kChunk, blocks = chunks / per_block;
   // x as B tiles of L columns: word ((g * chunks + c) * 8 + p) * L + j = bytes 4p .. 4p + 3 of
   // chunk c of x row g * width + j; its scales as [g][c][16], lane l the scale of x row l % L
   // (zero beyond m)
@@ -794,11 +794,10 @@ void amx_product(const W& w, const X& x, const float* bias, float* y, int64_t m,
   at::parallel_for(0, (n + 15) / 16, std::max<int64_t>(1, 4096 / k), [&](int64_t b0, int64_t b1) {
     configure_tiles(lanes);
     simd::Buffer<int8_t> decoded(16 * k);
-    simd::Buffer<float> block_scales(chunks / per_block * 16);  // [block of k][weight row]: 0 for missing rows
+    simd::Buffer<float> block_scales(blocks * 16);  // [block of k][weight row]: 0 for missing rows
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t row0 = b * 16, rows = std::min<int64_t>(16, n - row0);
       const int8_t* a = w.rows_for_tiles(row0, rows, decoded.data());
-      const int64_t blocks = chunks / per_block;
       for (int64_t i = 0; i < 16; ++i) {
         const float* own = i < rows ? w.block_scales() + ((row0 + i) * k >> shift) : nullptr;
         float* to = block_scales.data() + i;
@@ -814,7 +813,6 @@ void amx_product(const W& w, const X& x, const float* bias, float* y, int64_t m,
                                            valid, w.scale, bias, y_group, n);
         };
         switch (lanes) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
           case 2: run(std::integral_constant<int, 2>{}); break;
           case 4: run(std::integral_constant<int, 4>{}); break;
           case 8: run(std::integral_constant<int, 8>{}); break;
@@ -831,6 +829,7 @@ template <class W>
 void product(const W& w, const float* xf, const float* bias, float* y, int64_t m, int64_t k, int64_t n) {
   const X x = quantize(xf, m, k, W::kReordered);
 #if defined(TGI_AMX)
+  static_assert(W::kAmxRows >= 2, "amx_product's lanes start at 2 x rows");
   if (m >= W::kAmxRows && k % (int64_t{1} << w.shift()) == 0 && amx::permitted()) {
     amx_product(w, x, bias, y, m, k, n);
     return;
