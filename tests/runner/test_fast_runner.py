@@ -383,6 +383,8 @@ def test_quantized_models_read_the_head_as_int8(model_path: Path, prompts: list[
     assert isinstance(served, FastLlamaRunner) and served.head_projection is not None
     assert isinstance(dense, FastLlamaRunner) and dense.head_projection is None
     assert served.lm_head is None and dense.lm_head is not None  # one copy of the head
+    int8_x = build_runner(nf4, "fast", FastRunnerConfig(quantized_activations="int8"))
+    assert isinstance(int8_x, FastLlamaRunner) and int8_x.int8_lm_head is not None and int8_x.int8_lm_head.int8_x
     served_logits, dense_logits = _teacher_forced(served, prompts), _teacher_forced(dense, prompts)
     assert (served_logits - dense_logits).abs().max() <= INT8_HEAD_TOLERANCE
     assert (served_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean() >= 0.95

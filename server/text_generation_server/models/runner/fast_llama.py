@@ -315,7 +315,7 @@ class FastLlamaRunner(Runner):
         self._lookup = MappedEmbedding(embed_source, self.dtype) if embed_source is not None else None
         head_source = deferred_table(model, model.lm_head.weight)
         head = model.lm_head.weight.detach().to(self.dtype) if head_source is None else head_source
-        quantized = kind in ("4bit", "4bit-bfloat16", "int8") and process_env().kernels.quantized_head == "int8"
+        quantized = kind not in ("float32", "bfloat16") and process_env().kernels.quantized_head == "int8"
         wants_int8 = config.int8_head if config.int8_head is not None else quantized
         self.int8_lm_head = (int8_head(ops, head, self.quantized_activations == "int8")
                              if ops is not None and wants_int8 else None)
