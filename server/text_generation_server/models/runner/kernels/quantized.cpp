@@ -475,23 +475,26 @@ struct FourBitRows {
   }
   int shift() const { return __builtin_ctzll(w.blocksize); }  // blocksize: a power of two
   const float* block_scales() const { return w.absmax; }
+#if defined(__AVX512BW__)
+  // Two chunks at once (biased as chunk()): their 32 bytes as [first, first, second, second], lanes
+  // 0 and 2 shifted by 4.
+  __m512i chunk_pair(const uint8_t* codes) const {
+    const __m512i both = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+    const __m512i nibbles = _mm512_and_si512(
+        _mm512_srlv_epi64(_mm512_shuffle_i64x2(both, both, 0x50), _mm512_set_epi64(0, 0, 4, 4, 0, 0, 4, 4)),
+        _mm512_set1_epi8(15));
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(table)), nibbles);
+  }
+#endif
   // Weight rows row0 .. row0 + rows as signed int8 [16, k] (the missing rows zero), in the order x
   // is quantized: written to `out`, or the rows in place where they need no copy (Int8Rows).
   const int8_t* rows_for_tiles(int64_t row0, int64_t rows, int8_t* out) const {
 #if defined(__AVX512BW__)
-    // two chunks at a time: their 32 bytes as [first, first, second, second], lanes 0 and 2 shifted by 4
-    const __m512i signed_table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm256_castsi256_si128(table)),
-                                                  _mm512_set1_epi8(kBias));
-    const __m512i shifts = _mm512_set_epi64(0, 0, 4, 4, 0, 0, 4, 4);
     const int64_t pairs = k / (2 * kChunk) * (2 * kChunk);
     for (int64_t i = 0; i < rows; ++i) {
       const uint8_t* codes = row(row0 + i);
-      for (int64_t c = 0; c < pairs; c += 2 * kChunk) {
-        const __m512i both = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c / 2)));
-        const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(both, both, 0x50), shifts),
-                                                 _mm512_set1_epi8(15));
-        _mm512_storeu_si512(out + i * k + c, _mm512_shuffle_epi8(signed_table, nibbles));
-      }
+      for (int64_t c = 0; c < pairs; c += 2 * kChunk)
+        _mm512_storeu_si512(out + i * k + c, _mm512_xor_si512(chunk_pair(codes + c / 2), _mm512_set1_epi8(kBias)));
       if (pairs < k)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * k + pairs),
                             _mm256_xor_si256(chunk(codes + pairs / 2), _mm256_set1_epi8(kBias)));
@@ -524,6 +527,11 @@ struct Int8Rows {
     const __m256i values = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
     return kVnni ? _mm256_xor_si256(values, _mm256_set1_epi8(kBias)) : values;
   }
+#if defined(__AVX512BW__)
+  static __m512i chunk_pair(const int8_t* row) {
+    return _mm512_xor_si512(_mm512_loadu_si512(row), _mm512_set1_epi8(kBias));
+  }
+#endif
   int shift() const { return __builtin_ctzll(blocksize); }
   const float* block_scales() const { return scales; }
   const int8_t* rows_for_tiles(int64_t row0, int64_t rows, int8_t* out) const {  // as FourBitRows'
@@ -663,20 +671,6 @@ void tile(const W& w, const X& x, int64_t k, int64_t j0, int64_t row, const floa
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// Weight chunks c and c + 1 of a row as one 512-bit register, biased (FourBitRows: the codes'
-// 32 bytes as [first, first, second, second], lanes 0 and 2 shifted by 4, as rows_for_tiles does).
-inline __m512i chunk_pair(const FourBitRows& w, const uint8_t* codes) {
-  const __m512i both = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
-  const __m512i nibbles = _mm512_and_si512(
-      _mm512_srlv_epi64(_mm512_shuffle_i64x2(both, both, 0x50), _mm512_set_epi64(0, 0, 4, 4, 0, 0, 4, 4)),
-      _mm512_set1_epi8(15));
-  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(w.table)), nibbles);
-}
-
-inline __m512i chunk_pair(const Int8Rows&, const int8_t* codes) {
-  return _mm512_xor_si512(_mm512_loadu_si512(codes), _mm512_set1_epi8(kBias));
-}
-
 // tile<W, 4, 1> (four weight rows, one x row) two chunks per instruction: each chunk's exact sum
 // and the fp32 steps after it are tile()'s, in the same order, so the results are its bit for bit.
 // Where k is a multiple of the blocksize and a block holds an even number of chunks.
@@ -697,7 +691,7 @@ void tile_pairs(const W& w, const X& x, int64_t k, int64_t row, const float* bia
       __m512i sums[4];
       for (int r = 0; r < 4; ++r) {
         if ((c & (W::kLineColumns - 1)) == 0) simd::prefetch_ahead(codes[r]);
-        sums[r] = _mm512_dpbusd_epi32(u, chunk_pair(w, codes[r]), s);
+        sums[r] = _mm512_dpbusd_epi32(u, w.chunk_pair(codes[r]), s);
         codes[r] += 2 * W::kChunkBytes;
       }
       // per 128-bit lane the four rows' sums, then lanes 0 + 1 (chunk c) and 2 + 3 (chunk c + 1)
