@@ -279,6 +279,7 @@ class FastLlamaRunner(Runner):
         activations = config.quantized_activations or process_env().kernels.quantized_activations
         if kind == "4bit" and activations == "int8":
             kind = "4bit-int8x"
+        bitsandbytes = kind.startswith("4bit") or kind == "int8"  # else dense weights in self.dtype
         ops = cpu_kernels.load(config.kernel_switch, kind) if use_kernels else None
         self.cpu_kernels = ops.variant if ops is not None else "none"
         self.quantized_activations = activations if kind.startswith("4bit") and ops is not None else None
@@ -302,7 +303,7 @@ class FastLlamaRunner(Runner):
         self._fused_layers = ([FusedLayer.of(lw) for lw in self.layers]
                               if ops is not None and self.spec.family == "llama" else None)
         drafts = config.draft_weights or process_env().kernels.draft_weights
-        int8_drafts = (drafts == "int8" and self._fused_layers is not None and kind in ("float32", "bfloat16")
+        int8_drafts = (drafts == "int8" and self._fused_layers is not None and not bitsandbytes
                        and all(f is not None for f in self._fused_layers))
         self.draft_weights = "int8" if int8_drafts else "model"
         self._dense_layers = dense_layers if int8_drafts else None  # quantized at the first draft
@@ -315,7 +316,7 @@ class FastLlamaRunner(Runner):
         self._lookup = MappedEmbedding(embed_source, self.dtype) if embed_source is not None else None
         head_source = deferred_table(model, model.lm_head.weight)
         head = model.lm_head.weight.detach().to(self.dtype) if head_source is None else head_source
-        quantized = kind not in ("float32", "bfloat16") and process_env().kernels.quantized_head == "int8"
+        quantized = bitsandbytes and process_env().kernels.quantized_head == "int8"
         wants_int8 = config.int8_head if config.int8_head is not None else quantized
         self.int8_lm_head = (int8_head(ops, head, self.quantized_activations == "int8")
                              if ops is not None and wants_int8 else None)

@@ -887,9 +887,11 @@ void amx_product(const W& w, const X& x, const float* bias, float* y, int64_t m,
 template <class W>
 void product(const W& w, const float* xf, const float* bias, float* y, int64_t m, int64_t k, int64_t n) {
   const X x = quantize(xf, m, k, W::kReordered);
+  const int64_t blocksize = int64_t{1} << w.shift();
+  const bool aligned = k % blocksize == 0;
 #if defined(TGI_AMX)
   static_assert(W::kAmxRows >= 2, "amx_product's lanes start at 2 x rows");
-  if (m >= W::kAmxRows && k % (int64_t{1} << w.shift()) == 0 && amx::permitted()) {
+  if (m >= W::kAmxRows && aligned && amx::permitted()) {
     amx_product(w, x, bias, y, m, k, n);
     return;
   }
@@ -901,13 +903,15 @@ void product(const W& w, const float* xf, const float* bias, float* y, int64_t m
   // with each lane converted alone then): 0.49x the time of the fp32 4-bit products at one x row,
   // 0.53-0.57 / 0.76-0.81 / 0.81-0.88x at 2 / 4 / 16 rows; x tiles in L1 against spans of weight
   // rows in L2 gained nothing measurable.
-  const bool aligned = k % (int64_t{1} << w.shift()) == 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const bool pairs = aligned && m == 1 && blocksize >= 2 * kChunk;  // each block an even number of chunks
+#endif
   const int64_t grain = std::max<int64_t>(1, 16384 / k);
   at::parallel_for(0, (n + 3) / 4, grain, [&](int64_t b0, int64_t b1) {
     const int64_t end = std::min(n, b1 * 4);
     int64_t row = b0 * 4;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (aligned && m == 1 && (int64_t{1} << w.shift()) >= 2 * kChunk)
+    if (pairs)
       for (; row + 4 <= end; row += 4) tile_pairs(w, x, k, row, bias, y, n);
 #endif
     if (aligned && m == 1)
